@@ -1,0 +1,537 @@
+"""The swap engine: put a tree's tensors into a module's slots, and take them out again.
+
+Every public operation first *prepares* a :class:`Swap` (which slot gets which tensor), checking
+everything without touching the module, and only then applies it. A prepared swap comes from one
+of three routes:
+
+- the compiled plan of the module's :class:`~modstate._walk.Anatomy`, when the tree has exactly the
+  shape ``extract`` gives (a few C-level passes over flat lists);
+- the general route, path by path, for partial trees, ties given at one path, and for precise
+  errors whenever the compiled plan declines;
+- the ``state_dict`` route (``use_state_dict=True``), which replays ``load_state_dict``'s hooks.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from itertools import repeat
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+from ._flat import Tree, is_subtree, unflatten
+from ._hooks import LoadPlan, plan_load, run_overridden_loads
+from ._walk import Anatomy, ModuleGuard, anatomy_of, check_supported, forget
+
+_is = operator.is_
+_setitem = operator.setitem
+_shape_and_dtype = operator.attrgetter("shape", "dtype")
+
+
+class Swap:
+    """Slots and the tensors that go into them, ready to be applied and undone.
+
+    ``targets(i)`` is ``(node, key)``, where the tree holds ``values[i]``: a buffer that the body
+    reassigns is written back there, as ``torch.func.functional_call`` does. ``rebuild(olds)``
+    nests values listed like ``values`` at the tree's paths (what :func:`swap` returns).
+    """
+
+    __slots__ = (
+        "_applied",
+        "buffers",
+        "guard",
+        "names",
+        "olds",
+        "rebuild",
+        "tables",
+        "targets",
+        "values",
+    )
+
+    def __init__(
+        self,
+        tables: list[dict[str, Any]],
+        names: list[str],
+        values: list[Any],
+        olds: list[Any],
+        buffers: list[int],
+        targets: Callable[[int], tuple[Any, str] | None],
+        guard: Callable[[], None] | None,
+        rebuild: Callable[[list[Any]], Tree],
+    ) -> None:
+        self.rebuild = rebuild
+        self.tables = tables
+        self.names = names
+        self.values = values
+        self.olds = olds
+        self.buffers = buffers
+        self.targets = targets
+        self.guard = guard
+        self._applied = False
+
+    def apply(self) -> None:
+        deque(map(_setitem, self.tables, self.names, self.values), maxlen=0)
+        self._applied = True
+
+    def undo(self) -> None:
+        if not self._applied:
+            return
+        self._applied = False
+        tables, names, values = self.tables, self.names, self.values
+        for i in self.buffers:
+            now = tables[i][names[i]]
+            if now is not values[i]:
+                target = self.targets(i)
+                if target is not None:
+                    target[0][target[1]] = now
+        # Reversed, so that a slot listed twice ends up with what it held first.
+        deque(map(_setitem, reversed(tables), reversed(names), reversed(self.olds)), maxlen=0)
+        if self.guard is not None:
+            self.guard()
+
+
+# -- preparing -------------------------------------------------------------------------------------
+
+
+def prepare(module: nn.Module, tree: Mapping[str, Any], strict: bool) -> Swap:
+    """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing."""
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"expected a tree (a dict of tensors), got {type(tree).__name__}")
+    anatomy = anatomy_of(module)
+    fast = _prepare_compiled(anatomy, tree, strict)
+    if fast is not None:
+        return fast
+    return _prepare_by_path(anatomy, tree, strict)
+
+
+def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap | None:
+    read = anatomy.read(tree)
+    if read is None:
+        return None
+    leaves, nodes = read
+    olds = anatomy.holding
+    if not all(map(_is, leaves, olds)):
+        if not all(map(isinstance, leaves, repeat(Tensor))):
+            return None
+        if strict:
+            try:
+                if list(map(_shape_and_dtype, leaves)) != list(map(_shape_and_dtype, olds)):
+                    return None
+            except (RuntimeError, ValueError):  # a lazy parameter has no shape yet
+                return None
+        for group in anatomy.tie_positions:
+            first = leaves[group[0]]
+            for i in group[1:]:
+                if leaves[i] is not first:
+                    if not _same_tensor(leaves[i], first):
+                        return None  # the path-by-path route names the conflict
+                    leaves[i] = first  # one tensor for the whole tie, as in the module
+
+    leaf_nodes, leaf_keys = anatomy.leaf_nodes, anatomy.leaf_keys
+    guarded = anatomy.guarded
+    return Swap(
+        anatomy.tables,
+        anatomy.names,
+        leaves,
+        olds,
+        anatomy.buffer_positions,
+        lambda i: (nodes[leaf_nodes[i]], leaf_keys[i]),
+        ModuleGuard(guarded).restore if guarded else None,
+        anatomy.new_tree,
+    )
+
+
+def _prepare_by_path(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap:
+    slots = anatomy.slots
+    index_of = {slot.path: i for i, slot in enumerate(slots)}
+    given: dict[int, tuple[Any, Any, str]] = {}
+    for path, leaf, node, key in _leaves_with_parents(tree, ""):
+        i = index_of.get(path)
+        if i is None:
+            raise KeyError(_unknown_path_message(anatomy, path))
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{path!r}: expected a tensor, got {type(leaf).__name__}")
+        if strict:
+            _check_like(path, leaf, slots[i].get())
+        given[i] = (leaf, node, key)
+
+    for group in anatomy.tie_groups:
+        provided = [i for i in group if i in given]
+        if not provided:
+            continue
+        first = given[provided[0]][0]
+        for i in provided[1:]:
+            if not _same_tensor(given[i][0], first):
+                raise ValueError(
+                    f"{slots[provided[0]].path!r} and {slots[i].path!r} are tied in the module "
+                    "(one tensor) but the tree gives them different tensors; give one of the "
+                    "paths, or the same tensor at both"
+                )
+        for i in group:
+            _, node, key = given.get(i, (None, None, ""))
+            given[i] = (first, node, key)
+
+    if strict and len(given) < len(slots):
+        missing = [slot.path for i, slot in enumerate(slots) if i not in given]
+        shown = ", ".join(repr(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise KeyError(
+            f"the tree has no tensor for {shown} ({len(missing)} missing); pass strict=False to "
+            "keep the module's own tensors there"
+        )
+
+    order = sorted(given)
+    tables = [slots[i].table for i in order]
+    names = [slots[i].name for i in order]
+    values = [given[i][0] for i in order]
+    nodes = [given[i][1] for i in order]
+    keys = [given[i][2] for i in order]
+    paths = [slots[i].path if given[i][1] is not None else None for i in order]
+    guarded = anatomy.guarded
+    return Swap(
+        tables,
+        names,
+        values,
+        list(map(operator.getitem, tables, names)),
+        [pos for pos, i in enumerate(order) if slots[i].is_buffer],
+        lambda pos: None if nodes[pos] is None else (nodes[pos], keys[pos]),
+        ModuleGuard(guarded).restore if guarded else None,
+        lambda olds: unflatten({p: v for p, v in zip(paths, olds) if p is not None}),
+    )
+
+
+def _leaves_with_parents(
+    tree: Mapping[str, Any], prefix: str
+) -> Iterator[tuple[str, Any, Any, str]]:
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"tree keys must be strings, got {key!r} under {prefix[:-1] or 'the root'!r}"
+            )
+        if is_subtree(key, value):
+            yield from _leaves_with_parents(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value, tree, key
+
+
+def _unknown_path_message(anatomy: Anatomy, path: str) -> str:
+    if path in anatomy.module_paths:
+        return f"{path!r} is a submodule: give a dict of its tensors, not a single value"
+    owner = path.rpartition(".")[0]
+    while owner and owner not in anatomy.module_paths:
+        if owner in anatomy.by_path:
+            return f"{path!r}: {owner!r} is a tensor, not a submodule"
+        owner = owner.rpartition(".")[0]
+    return f"unknown path {path!r}: the module has no parameter or buffer there"
+
+
+def _check_like(path: str, leaf: Tensor, current: Tensor) -> None:
+    if is_lazy(current) or is_lazy(leaf):
+        return
+    if leaf.shape != current.shape:
+        raise ValueError(
+            f"{path!r}: shape {tuple(leaf.shape)} in the tree, {tuple(current.shape)} in the module "
+            "(strict=False accepts other shapes)"
+        )
+    if leaf.dtype != current.dtype:
+        raise TypeError(
+            f"{path!r}: dtype {leaf.dtype} in the tree, {current.dtype} in the module "
+            "(strict=False accepts other dtypes)"
+        )
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor: the same object, the same view of one storage, or
+    two wrappers that ``torch.func`` transforms made of one tensor given at two paths."""
+    if a is b:
+        return True
+    a, b = _unwrapped(a), _unwrapped(b)
+    if a is b:
+        return True
+    try:
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr()
+        )
+    except (RuntimeError, NotImplementedError):  # tensors without storage
+        return False
+
+
+def _unwrapped(tensor: Tensor) -> Tensor:
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
+# -- the state_dict route --------------------------------------------------------------------------
+
+
+class HookedSwap(Swap):
+    """A swap prepared by replaying ``load_state_dict``; also swaps extra state."""
+
+    __slots__ = ("extra",)
+
+    def __init__(self, plan: LoadPlan, tree: Mapping[str, Any], guard: ModuleGuard) -> None:
+        assignments = plan.assignments
+        flat_nodes = dict(_node_of_each_path(tree))
+
+        def target(i: int) -> tuple[Any, str] | None:
+            return flat_nodes.get(assignments[i].key)
+
+        super().__init__(
+            [a.table for a in assignments],
+            [a.name for a in assignments],
+            [a.value for a in assignments],
+            [a.current for a in assignments],
+            [i for i, a in enumerate(assignments) if a.is_buffer],
+            target,
+            guard.restore,
+            lambda olds: unflatten({a.key: old for a, old in zip(assignments, olds)}),
+        )
+        self.extra = plan.extra_states
+
+    def apply(self) -> None:
+        previous = []
+        try:
+            for module, _, value in self.extra:
+                previous.append((module, module.get_extra_state()))
+                module.set_extra_state(value)
+        except BaseException:
+            for module, state in reversed(previous):
+                module.set_extra_state(state)
+            raise
+        self.extra = previous
+        super().apply()
+
+    def undo(self) -> None:
+        if not self._applied:
+            return
+        super().undo()
+        for module, state in reversed(self.extra):
+            module.set_extra_state(state)
+
+
+def _node_of_each_path(tree: Mapping[str, Any]) -> Iterator[tuple[str, tuple[Any, str]]]:
+    for path, _, node, key in _leaves_with_parents(tree, ""):
+        yield path, (node, key)
+
+
+def prepare_hooked(
+    module: nn.Module, tree: Mapping[str, Any], strict: bool, *, in_place: bool
+) -> tuple[LoadPlan, ModuleGuard]:
+    """Replay ``load_state_dict`` on ``tree`` and check the outcome; on refusal, undo what the
+    load pre-hooks did (lazy materialization) and raise."""
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"expected a tree (a dict of tensors), got {type(tree).__name__}")
+    anatomy = anatomy_of(module)
+    guard = ModuleGuard(anatomy.guarded)
+    try:
+        plan = plan_load(module, tree, strict=strict, in_place=in_place)
+        _judge(plan, strict, check_dtypes=strict and not in_place)
+    except BaseException:
+        guard.restore()
+        raise
+    return plan, guard
+
+
+def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
+    if plan.errors:
+        raise ValueError(plan.errors[0])
+    if plan.unexpected:
+        raise KeyError(
+            f"unknown path {plan.unexpected[0]!r}: after the module's load_state_dict hooks, "
+            "no parameter, buffer or extra state takes it"
+        )
+    if strict and plan.missing:
+        shown = ", ".join(repr(k) for k in plan.missing[:5])
+        raise KeyError(
+            f"the tree has no value for {shown} ({len(plan.missing)} missing, as load_state_dict "
+            "sees it); pass strict=False to keep the module's own"
+        )
+    if check_dtypes:
+        for a in plan.assignments:
+            if not is_lazy(a.current) and not is_lazy(a.value) and a.value.dtype != a.current.dtype:
+                raise TypeError(
+                    f"{a.key!r}: dtype {a.value.dtype} in the tree, {a.current.dtype} in the module "
+                    "(strict=False accepts other dtypes)"
+                )
+
+
+# -- the public operations -------------------------------------------------------------------------
+
+
+class inject:
+    """Inside the block, ``module`` computes with the tree's tensors; afterwards it holds its own.
+
+    The tree's tensors go in as they are, no copy: gradients reach the tree's leaves, and batched
+    tensors under ``torch.vmap`` work. On exit, also when the body raised, the module holds the very
+    same objects it held before, with the same ``requires_grad``. A buffer that ``forward``
+    reassigns (``self.count = self.count + 1``) is written back into ``tree``. In-place updates
+    (BatchNorm statistics) land in the tree's tensors.
+
+    ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
+    shapes and dtypes. ``strict=False``: a partial tree (missing paths keep the module's tensors),
+    other shapes and dtypes. Unknown paths are always an error; a refused tree changes nothing.
+    Where the module holds one tensor at several paths (tied weights), one path sets them all;
+    giving different tensors at two of them is an error. The tensor at the first of the paths (in
+    module order) serves them all: under ``torch.func`` transforms, which wrap a tensor given at
+    two paths into two wrappers, the gradient of the tie lands at that first path.
+
+    With ``use_state_dict=True`` the tree is read as ``load_state_dict`` reads it: through the
+    module's load pre-hooks (renames, legacy keys, lazy materialization) and post-hooks, with its
+    ``set_extra_state``; the module is restored on exit all the same.
+
+    >>> import torch, modstate as ms
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> zeros = ms.tree.zeros_like(ms.extract(lin))  # doctest: +SKIP
+    >>> with ms.inject(lin, {"weight": torch.zeros(2, 2), "bias": torch.ones(2)}):
+    ...     lin(torch.randn(1, 2))
+    tensor([[1., 1.]])
+    """
+
+    __slots__ = ("_module", "_strict", "_swap", "_tree", "_use_state_dict")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        tree: Mapping[str, Any],
+        *,
+        strict: bool = True,
+        use_state_dict: bool = False,
+    ) -> None:
+        self._module = module
+        self._tree = tree
+        self._strict = strict
+        self._use_state_dict = use_state_dict
+        self._swap: Swap | None = None
+
+    def __enter__(self) -> nn.Module:
+        if self._swap is not None:
+            raise RuntimeError("this inject(...) block is already active; make a new one")
+        if self._use_state_dict:
+            check_supported(self._module)
+            plan, guard = prepare_hooked(self._module, self._tree, self._strict, in_place=False)
+            swap: Swap = HookedSwap(plan, self._tree, guard)
+        else:
+            swap = prepare(self._module, self._tree, self._strict)
+        swap.apply()
+        self._swap = swap
+        return self._module
+
+    def __exit__(self, *exc_info: object) -> None:
+        swap, self._swap = self._swap, None
+        if swap is not None:
+            swap.undo()
+
+
+def swap(
+    module: nn.Module,
+    tree: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    use_state_dict: bool = False,
+) -> Tree:
+    """Put the tree's tensors into ``module`` for good; return a tree of what they replaced.
+
+    The permanent form of :func:`inject`, with the same checks, so ``swap(module, old)`` undoes it.
+    The tree's objects go in as they are (a plain tensor stays a plain tensor in ``_parameters``;
+    pass ``nn.Parameter`` leaves to keep parameters parameters).
+
+    >>> import torch, modstate as ms
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> old = ms.swap(lin, {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)})
+    >>> _ = ms.swap(lin, old)  # back to the original Parameters
+    """
+    if use_state_dict:
+        check_supported(module)
+        plan, guard = prepare_hooked(module, tree, strict, in_place=False)
+        guard.restore()  # the replaced tensors stay unmaterialized: swapping back restores all
+        prepared: Swap = HookedSwap(plan, tree, guard)
+        prepared.guard = None
+    else:
+        prepared = prepare(module, tree, strict)
+    prepared.apply()
+    forget(module)
+    replaced = prepared.rebuild(prepared.olds)
+    if isinstance(prepared, HookedSwap):
+        for owner, state in prepared.extra:
+            key = next(k for m, k, _ in plan.extra_states if m is owner)
+            replaced = _merge(replaced, unflatten({key: state}))
+    return replaced
+
+
+def _merge(tree: Tree, other: Tree) -> Tree:
+    for key, value in other.items():
+        if key in tree and is_subtree(key, value):
+            _merge(tree[key], value)
+        else:
+            tree[key] = value
+    return tree
+
+
+def load(
+    module: nn.Module,
+    tree: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    use_state_dict: bool = False,
+) -> None:
+    """Copy the tree's values into the module's own tensors, in place (identity kept).
+
+    ``load_state_dict`` semantics, for EMA and target-network updates: the module keeps its
+    objects; only their values change. Shapes must match; with ``strict=False`` dtypes may differ
+    (values are cast) and the tree may be partial. Nothing is copied unless every check passed.
+
+    >>> import torch, modstate as ms
+    >>> online, target = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    >>> ms.load(target, ms.extract(online))
+    >>> bool(torch.equal(target.weight, online.weight))
+    True
+    """
+    if use_state_dict:
+        check_supported(module)
+        plan, _ = prepare_hooked(module, tree, strict, in_place=True)
+        pairs = [(a.current, a.value) for a in plan.assignments]
+        extra = plan.extra_states
+    else:
+        prepared = prepare(module, tree, strict)
+        _check_copyable(module, prepared)
+        pairs = list(zip(prepared.olds, prepared.values))
+        extra = []
+        plan = None
+    done: set[int] = set()
+    with torch.no_grad():
+        for current, value in pairs:
+            if id(current) not in done and current is not value:
+                done.add(id(current))
+                current.copy_(value)
+    for owner, _, value in extra:
+        owner.set_extra_state(value)
+    if plan is not None and plan.overridden:
+        run_overridden_loads(plan)
+        if plan.errors:
+            raise ValueError(plan.errors[0])
+
+
+def _check_copyable(module: nn.Module, prepared: Swap) -> None:
+    anatomy = anatomy_of(module)
+    path_of = {(id(s.table), s.name): s.path for s in anatomy.slots}
+    for table, name, current, value in zip(
+        prepared.tables, prepared.names, prepared.olds, prepared.values
+    ):
+        if is_lazy(current):
+            raise ValueError(
+                f"{path_of[(id(table), name)]!r} is not initialized yet (lazy module): load cannot "
+                "copy into it; use swap, or load with use_state_dict=True"
+            )
+        if value.shape != current.shape:
+            raise ValueError(
+                f"{path_of[(id(table), name)]!r}: shape {tuple(value.shape)} in the tree, "
+                f"{tuple(current.shape)} in the module: load copies in place, shapes must match"
+            )

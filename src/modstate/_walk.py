@@ -1,0 +1,293 @@
+"""Module anatomy: where every tensor of a module lives, the one place that knows it.
+
+A tensor of a module lives in a *slot*: an entry ``name`` of the owning module's ``_parameters`` or
+``_buffers`` dict. Parametrizations (``torch.nn.utils.parametrize``) keep their originals in such
+slots too, under ``parametrizations.<name>.original``. Tied weights are one tensor held by several
+slots. Some modules also keep tensors computed from their slots in ``__dict__`` (legacy
+``weight_norm`` / ``spectral_norm`` recompute ``module.weight`` in a forward pre-hook) or change
+their own class and hooks on the first forward (lazy modules); :class:`ModuleGuard` snapshots and
+restores those, so a temporary swap leaves nothing behind.
+
+An :class:`Anatomy` is built once per module and reused while the module's structure and tensors
+stay the same; :func:`anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
+
+_getitem = operator.getitem
+_is = operator.is_
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+)
+
+
+class Slot:
+    """One place a tensor lives: ``table[name]``, ``table`` being ``module._parameters`` or
+    ``module._buffers``."""
+
+    __slots__ = ("is_buffer", "name", "path", "persistent", "table")
+
+    def __init__(self, path: str, module: nn.Module, name: str, is_buffer: bool) -> None:
+        self.path = path
+        self.name = name
+        self.is_buffer = is_buffer
+        self.table: dict[str, Any] = module._buffers if is_buffer else module._parameters
+        self.persistent = not is_buffer or name not in module._non_persistent_buffers_set
+
+    def get(self) -> Any:
+        return self.table[self.name]
+
+    def __repr__(self) -> str:
+        return f"Slot({self.path!r})"
+
+
+def check_supported(module: nn.Module) -> None:
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(
+            f"{type(module).__name__} is a TorchScript module; modstate needs an eager nn.Module "
+            "(its parameters cannot be swapped): script the module after swapping instead"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+
+
+class Anatomy:
+    """Every slot of a module, its tie groups, and a compiled plan for trees shaped like ``extract``.
+
+    ``slots`` is in ``state_dict`` order (own parameters, own buffers, then children, depth first),
+    one entry per path: tied tensors appear at each path that holds them. A module reachable twice
+    is visited once, as ``named_modules`` does. The anatomy holds no reference to the root module
+    (it is cached under a weak reference to it), only to its dicts, its children and its tensors.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        check_supported(root)
+        self.slots: list[Slot] = []
+        modules: list[tuple[str, nn.Module]] = []
+        guarded: list[nn.Module] = []
+        template = self._walk(root, "", set(), modules, guarded)
+        self.template: dict[str, Any] = template or {}
+        self.by_path = {slot.path: slot for slot in self.slots}
+        self.module_paths = {prefix for prefix, _ in modules}
+        self._guarded = [weakref.ref(m) for m in guarded]
+
+        holders: dict[int, list[int]] = {}
+        for index, slot in enumerate(self.slots):
+            holders.setdefault(id(slot.get()), []).append(index)
+        self.tie_groups = [group for group in holders.values() if len(group) > 1]
+        self.tie_group_of = {i: group for group in self.tie_groups for i in group}
+
+        # The compiled plan, every list in optree's leaf order of the template (sorted keys).
+        order, self.treespec = optree.tree_flatten(self.template)
+        self.ordered: list[Slot] = [self.slots[i] for i in order]
+        self.tables = [slot.table for slot in self.ordered]
+        self.names = [slot.name for slot in self.ordered]
+        self.holding = list(map(_getitem, self.tables, self.names))
+        self.buffer_positions = [i for i, slot in enumerate(self.ordered) if slot.is_buffer]
+        position = {slot_index: pos for pos, slot_index in enumerate(order)}
+        self.tie_positions = [[position[i] for i in group] for group in self.tie_groups]
+        self._compile_reader()
+
+        # Structure fingerprint: every dict that can gain or lose an entry, and every child.
+        self.dicts: list[dict[str, Any]] = []
+        self.child_tables: list[dict[str, Any]] = []
+        self.child_names: list[str] = []
+        self.children: list[Any] = []
+        for _, m in modules:
+            self.dicts += (m._parameters, m._buffers, m._modules)
+            for name, child in m._modules.items():
+                self.child_tables.append(m._modules)
+                self.child_names.append(name)
+                self.children.append(child)
+        self.dict_lens = list(map(len, self.dicts))
+        # A child that leads back to the root would keep the weakly cached root alive.
+        self.cacheable = all(child is not root for child in self.children)
+
+    @property
+    def guarded(self) -> list[nn.Module]:
+        """Modules whose non-slot state a swap must snapshot (see :class:`ModuleGuard`)."""
+        return [m for m in (ref() for ref in self._guarded) if m is not None]
+
+    def _walk(
+        self,
+        module: nn.Module,
+        prefix: str,
+        seen: set[int],
+        modules: list[tuple[str, nn.Module]],
+        guarded: list[nn.Module],
+    ) -> dict[str, Any] | None:
+        seen.add(id(module))
+        check_supported(module)
+        modules.append((prefix[:-1], module))
+        if isinstance(module, LazyModuleMixin) or _has_tensor_attributes(module):
+            guarded.append(module)
+        node: dict[str, Any] = {}
+        for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    node[name] = len(self.slots)
+                    self.slots.append(Slot(prefix + name, module, name, is_buffer))
+        for name, child in module._modules.items():
+            if child is None or id(child) in seen:
+                continue
+            sub = self._walk(child, f"{prefix}{name}.", seen, modules, guarded)
+            if sub:
+                node[name] = sub
+        return node or None
+
+    def _compile_reader(self) -> None:
+        """Precompute how to read a tree shaped like ``template`` leaf by leaf, without recursion."""
+        self.node_parent: list[int] = []
+        self.node_key: list[str] = []
+        self.node_lens: list[int] = []
+        leaf_node_of: dict[str, tuple[int, str]] = {}
+
+        def visit(node: dict[str, Any], index: int, prefix: str) -> None:
+            self.node_lens[index] = len(node)
+            for key, value in node.items():
+                if isinstance(value, dict):
+                    self.node_parent.append(index)
+                    self.node_key.append(key)
+                    self.node_lens.append(0)
+                    visit(value, len(self.node_lens) - 1, f"{prefix}{key}.")
+                else:
+                    leaf_node_of[prefix + key] = (index, key)
+
+        self.node_lens.append(0)
+        visit(self.template, 0, "")
+        self.node_program = list(zip(self.node_parent, self.node_key))
+        self.leaf_nodes = [leaf_node_of[slot.path][0] for slot in self.ordered]
+        self.leaf_keys = [leaf_node_of[slot.path][1] for slot in self.ordered]
+
+    # -- the fast path ---------------------------------------------------------------------------
+
+    def is_current(self) -> bool:
+        """Whether the module still has exactly the structure and tensors this anatomy saw."""
+        try:
+            return (
+                list(map(len, self.dicts)) == self.dict_lens
+                and all(map(_is, map(_getitem, self.child_tables, self.child_names), self.children))
+                and all(map(_is, map(_getitem, self.tables, self.names), self.holding))
+            )
+        except KeyError:
+            return False
+
+    def read(self, tree: Mapping[str, Any]) -> tuple[list[Any], list[Any]] | None:
+        """The leaves of ``tree`` in plan order, with its nodes, or None if it is shaped otherwise."""
+        nodes: list[Any] = [tree]
+        append = nodes.append
+        try:
+            for parent, key in self.node_program:
+                node = nodes[parent][key]
+                if type(node) is not dict and not isinstance(node, Mapping):
+                    return None
+                append(node)
+        except KeyError:
+            return None
+        if list(map(len, nodes)) != self.node_lens:
+            return None
+        try:
+            leaves = list(map(_getitem, map(nodes.__getitem__, self.leaf_nodes), self.leaf_keys))
+        except KeyError:
+            return None
+        return leaves, nodes
+
+    def new_tree(self, leaves: list[Any]) -> dict[str, Any]:
+        """A fresh nested dict shaped like ``template`` holding ``leaves`` (in plan order)."""
+        return optree.tree_unflatten(self.treespec, leaves)
+
+
+def _has_tensor_attributes(module: nn.Module) -> bool:
+    return any(isinstance(value, torch.Tensor) for value in vars(module).values())
+
+
+_anatomies: weakref.WeakKeyDictionary[nn.Module, Anatomy] = weakref.WeakKeyDictionary()
+
+
+def anatomy_of(module: nn.Module) -> Anatomy:
+    """The module's anatomy, rebuilt whenever its structure or its tensors changed."""
+    anatomy = _anatomies.get(module)
+    if anatomy is None or not anatomy.is_current():
+        anatomy = Anatomy(module)
+        if anatomy.cacheable:
+            _anatomies[module] = anatomy
+    return anatomy
+
+
+def forget(module: nn.Module) -> None:
+    """Drop the cached anatomy, so that it holds no tensor the module no longer holds."""
+    _anatomies.pop(module, None)
+
+
+class ModuleGuard:
+    """Snapshot of what a forward or a load hook may change besides the slots, for the modules that
+    do that: tensors kept in ``__dict__`` (legacy ``weight_norm`` / ``spectral_norm``), and the class,
+    hooks and uninitialized parameters of lazy modules. :meth:`restore` puts all of it back."""
+
+    __slots__ = ("_lazy_tensors", "_saved")
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._saved = [
+            (
+                m,
+                type(m),
+                dict(vars(m)),
+                {name: dict(vars(m)[name]) for name in _HOOK_DICTS if name in vars(m)},
+            )
+            for m in modules
+        ]
+        self._lazy_tensors = [
+            (tensor, type(tensor), tensor.data)
+            for m in modules
+            for table in (m._parameters, m._buffers)
+            for tensor in table.values()
+            if tensor is not None and is_lazy(tensor)
+        ]
+
+    def restore(self) -> None:
+        for tensor, cls, data in self._lazy_tensors:
+            if type(tensor) is not cls:
+                with torch.no_grad():
+                    tensor.data = data
+                tensor.__class__ = cls
+        for module, cls, attributes, hooks in self._saved:
+            if type(module) is not cls:
+                module.__class__ = cls
+            current = vars(module)
+            for name in [name for name in current if name not in attributes]:
+                del current[name]
+            for name, value in attributes.items():
+                if current.get(name, _MISSING) is not value:
+                    current[name] = value
+            for name, entries in hooks.items():
+                table = current[name]
+                if table != entries:
+                    table.clear()
+                    table.update(entries)
+
+
+_MISSING = object()
+
+
+def guard(modules: list[nn.Module]) -> Callable[[], None] | None:
+    """A restore function for ``modules``' non-slot state, or None when there is nothing to guard."""
+    return ModuleGuard(modules).restore if modules else None
