@@ -74,6 +74,24 @@ def test_jacrev_with_respect_to_the_tree():
     assert torch.allclose(jac["bias"], torch.eye(2))
 
 
+def test_a_tuple_of_trees_splits_parameters_from_buffers():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
+    params = ms.extract(model, buffers=False, detach=True)
+    buffers = ms.unflatten(
+        {k: v for k, v in ms.flatten(ms.extract(model)).items() if "running" in k or "batches" in k}
+    )
+    x = torch.randn(5, 3)
+    grads = grad(lambda p: ms.call(model, (p, buffers), x).sum())(
+        params
+    )  # integer buffers stay out
+    assert set(ms.flatten(grads)) == set(ms.flatten(params))
+    assert torch.allclose(ms.call(model, (params, buffers), x), model(x))
+    with pytest.raises(ValueError, match="'1.running_mean' is given by two"):
+        ms.call(model, (ms.extract(model), buffers), x)
+    with pytest.raises(KeyError, match="'1.running_mean'"):
+        ms.call(model, (params,), x)
+
+
 def test_tied_weights_like_functional_call():
     lm = TiedLM()
     tree = ms.extract(lm, detach=True)

@@ -8,11 +8,14 @@ import torch
 from torch import nn
 
 from ._flat import flatten, unflatten
-from ._inject import prepare
+from ._inject import TreeArg, prepare
 
 
-def call(module: nn.Module, tree: dict[str, Any], /, *args: Any, **kwargs: Any) -> Any:
+def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     """``module(*args, **kwargs)`` computed with the tree's tensors: a stateless call.
+
+    ``tree`` may also be a tuple of trees that together give every path, such as
+    ``(params, buffers)`` when only the parameters go through ``torch.func.grad``.
 
     The same as ``with ms.inject(module, tree): return module(*args, **kwargs)`` (strict), made
     fast for repeated calls, and safe under ``torch.func.vmap``, ``grad``, ``jacrev`` and
@@ -37,18 +40,19 @@ def call(module: nn.Module, tree: dict[str, Any], /, *args: Any, **kwargs: Any) 
         swap.undo()
 
 
-def _call_while_compiling(
-    module: nn.Module, tree: dict[str, Any], args: tuple, kwargs: dict[str, Any]
-) -> Any:
+def _call_while_compiling(module: nn.Module, tree: TreeArg, args: tuple, kwargs: dict) -> Any:
     # Dynamo traces torch.func.functional_call natively; the swap engine's C-level list passes
-    # are opaque to it. The tree was checked when the function was first traced eagerly or by
-    # dynamo itself; functional_call raises on unknown keys.
-    flat = flatten(tree)
-    given = dict(flat)
-    out = torch.func.functional_call(module, flat, args, kwargs, tie_weights=True, strict=True)
-    changed = {key: value for key, value in flat.items() if value is not given[key]}
-    if changed:
-        _write_back(tree, unflatten(changed))
+    # are opaque to it. functional_call (strict) refuses unknown and missing keys.
+    components = list(tree) if isinstance(tree, (tuple, list)) else [tree]
+    flats = [flatten(component) for component in components]
+    given = [dict(flat) for flat in flats]
+    out = torch.func.functional_call(
+        module, tuple(flats), args, kwargs, tie_weights=True, strict=True
+    )
+    for component, flat, before in zip(components, flats, given):
+        changed = {key: value for key, value in flat.items() if value is not before[key]}
+        if changed:
+            _write_back(component, unflatten(changed))
     return out
 
 

@@ -29,7 +29,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 from torch.nn.parameter import is_lazy
 
-from ._flat import Layout, Tree, flatten, unflatten
+from ._flat import Layout, Tree, unflatten
 
 _DEFAULT_LOAD = nn.Module._load_from_state_dict
 _DEFAULT_SET_EXTRA_STATE = nn.Module.set_extra_state
@@ -93,15 +93,15 @@ class LoadPlan:
 
 
 def plan_load(
-    module: nn.Module, tree: Mapping[str, Any], *, strict: bool, in_place: bool
+    module: nn.Module, flat: Mapping[str, Any], *, strict: bool, in_place: bool
 ) -> LoadPlan:
-    """Replay ``module.load_state_dict(flatten(tree))`` as a plan; run every load hook on the way.
+    """Replay ``module.load_state_dict(flat)`` as a plan; run every load hook on the way.
 
     ``strict`` decides whether shapes must match (``in_place`` loads always need them to); missing
     and unexpected keys are recorded either way, for the caller to judge.
     """
     plan = LoadPlan()
-    _visit(module, OrderedDict(flatten(tree)), "", plan, strict or in_place, in_place)
+    _visit(module, OrderedDict(flat), "", plan, strict or in_place, in_place)
     return plan
 
 

@@ -97,14 +97,18 @@ class Swap:
 # -- preparing -------------------------------------------------------------------------------------
 
 
-def prepare(module: nn.Module, tree: Mapping[str, Any], strict: bool) -> Swap:
+TreeArg = Mapping[str, Any] | tuple[Mapping[str, Any], ...] | list[Mapping[str, Any]]
+"""A tree, or several trees that together give the module's paths (say parameters and buffers),
+as ``torch.func.functional_call`` accepts a tuple of dicts."""
+
+
+def prepare(module: nn.Module, tree: TreeArg, strict: bool) -> Swap:
     """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing."""
-    if not isinstance(tree, Mapping):
-        raise TypeError(f"expected a tree (a dict of tensors), got {type(tree).__name__}")
     anatomy = anatomy_of(module)
-    fast = _prepare_compiled(anatomy, tree, strict)
-    if fast is not None:
-        return fast
+    if type(tree) is dict or (isinstance(tree, Mapping)):
+        fast = _prepare_compiled(anatomy, tree, strict)
+        if fast is not None:
+            return fast
     return _prepare_by_path(anatomy, tree, strict)
 
 
@@ -145,11 +149,11 @@ def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -
     )
 
 
-def _prepare_by_path(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap:
+def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
     slots = anatomy.slots
     index_of = {slot.path: i for i, slot in enumerate(slots)}
     given: dict[int, tuple[Any, Any, str]] = {}
-    for path, leaf, node, key in _leaves_with_parents(tree, ""):
+    for path, leaf, node, key in leaves_of(tree):
         i = index_of.get(path)
         if i is None:
             raise KeyError(_unknown_path_message(anatomy, path))
@@ -201,6 +205,30 @@ def _prepare_by_path(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) ->
         ModuleGuard(guarded).restore if guarded else None,
         lambda olds: unflatten({p: v for p, v in zip(paths, olds) if p is not None}),
     )
+
+
+def leaves_of(tree: TreeArg) -> Iterator[tuple[str, Any, Any, str]]:
+    """``(path, leaf, node, key)`` for every leaf of a tree or of several trees, ``node[key]``
+    being where the leaf sits; refuses anything else, and a path given by two trees."""
+    if isinstance(tree, (tuple, list)):
+        seen: set[str] = set()
+        for component in tree:
+            _check_is_tree(component)
+            for item in _leaves_with_parents(component, ""):
+                if item[0] in seen:
+                    raise ValueError(f"{item[0]!r} is given by two of the trees")
+                seen.add(item[0])
+                yield item
+    else:
+        _check_is_tree(tree)
+        yield from _leaves_with_parents(tree, "")
+
+
+def _check_is_tree(tree: Any) -> None:
+    if not isinstance(tree, Mapping):
+        raise TypeError(
+            f"expected a tree (a dict of tensors) or a tuple of trees, got {type(tree).__name__}"
+        )
 
 
 def _leaves_with_parents(
@@ -277,9 +305,9 @@ class HookedSwap(Swap):
 
     __slots__ = ("extra",)
 
-    def __init__(self, plan: LoadPlan, tree: Mapping[str, Any], guard: ModuleGuard) -> None:
+    def __init__(self, plan: LoadPlan, tree: TreeArg, guard: ModuleGuard) -> None:
         assignments = plan.assignments
-        flat_nodes = dict(_node_of_each_path(tree))
+        flat_nodes = {path: (node, key) for path, _, node, key in leaves_of(tree)}
 
         def target(i: int) -> tuple[Any, str] | None:
             return flat_nodes.get(assignments[i].key)
@@ -317,22 +345,16 @@ class HookedSwap(Swap):
             module.set_extra_state(state)
 
 
-def _node_of_each_path(tree: Mapping[str, Any]) -> Iterator[tuple[str, tuple[Any, str]]]:
-    for path, _, node, key in _leaves_with_parents(tree, ""):
-        yield path, (node, key)
-
-
 def prepare_hooked(
-    module: nn.Module, tree: Mapping[str, Any], strict: bool, *, in_place: bool
+    module: nn.Module, tree: TreeArg, strict: bool, *, in_place: bool
 ) -> tuple[LoadPlan, ModuleGuard]:
     """Replay ``load_state_dict`` on ``tree`` and check the outcome; on refusal, undo what the
     load pre-hooks did (lazy materialization) and raise."""
-    if not isinstance(tree, Mapping):
-        raise TypeError(f"expected a tree (a dict of tensors), got {type(tree).__name__}")
+    flat = {path: leaf for path, leaf, _, _ in leaves_of(tree)}
     anatomy = anatomy_of(module)
     guard = ModuleGuard(anatomy.guarded)
     try:
-        plan = plan_load(module, tree, strict=strict, in_place=in_place)
+        plan = plan_load(module, flat, strict=strict, in_place=in_place)
         _judge(plan, strict, check_dtypes=strict and not in_place)
     except BaseException:
         guard.restore()
@@ -400,7 +422,7 @@ class inject:
     def __init__(
         self,
         module: nn.Module,
-        tree: Mapping[str, Any],
+        tree: TreeArg,
         *,
         strict: bool = True,
         use_state_dict: bool = False,
@@ -432,7 +454,7 @@ class inject:
 
 def swap(
     module: nn.Module,
-    tree: Mapping[str, Any],
+    tree: TreeArg,
     *,
     strict: bool = True,
     use_state_dict: bool = False,
@@ -477,7 +499,7 @@ def _merge(tree: Tree, other: Tree) -> Tree:
 
 def load(
     module: nn.Module,
-    tree: Mapping[str, Any],
+    tree: TreeArg,
     *,
     strict: bool = True,
     use_state_dict: bool = False,

@@ -240,21 +240,24 @@ def forget(module: nn.Module) -> None:
 
 class ModuleGuard:
     """Snapshot of what a forward or a load hook may change besides the slots, for the modules that
-    do that: tensors kept in ``__dict__`` (legacy ``weight_norm`` / ``spectral_norm``), and the class,
-    hooks and uninitialized parameters of lazy modules. :meth:`restore` puts all of it back."""
+    do that: tensors kept in ``__dict__`` (legacy ``weight_norm`` / ``spectral_norm`` recompute
+    ``module.weight``), and everything a lazy module changes on its first call or load (its class,
+    its hooks, the attributes holding their handles, its uninitialized parameters).
+    :meth:`restore` puts all of it back; other attributes (counters and the like) are left alone."""
 
     __slots__ = ("_lazy_tensors", "_saved")
 
     def __init__(self, modules: list[nn.Module]) -> None:
-        self._saved = [
-            (
-                m,
-                type(m),
-                dict(vars(m)),
-                {name: dict(vars(m)[name]) for name in _HOOK_DICTS if name in vars(m)},
-            )
-            for m in modules
-        ]
+        self._saved = []
+        for m in modules:
+            lazy = isinstance(m, LazyModuleMixin)
+            attributes = {
+                name: value
+                for name, value in vars(m).items()
+                if lazy or isinstance(value, torch.Tensor)
+            }
+            hooks = {name: dict(vars(m)[name]) for name in _HOOK_DICTS if lazy and name in vars(m)}
+            self._saved.append((m, type(m), lazy, attributes, hooks))
         self._lazy_tensors = [
             (tensor, type(tensor), tensor.data)
             for m in modules
@@ -269,11 +272,15 @@ class ModuleGuard:
                 with torch.no_grad():
                     tensor.data = data
                 tensor.__class__ = cls
-        for module, cls, attributes, hooks in self._saved:
+        for module, cls, lazy, attributes, hooks in self._saved:
             if type(module) is not cls:
                 module.__class__ = cls
             current = vars(module)
-            for name in [name for name in current if name not in attributes]:
+            for name in [
+                name
+                for name, value in current.items()
+                if name not in attributes and (lazy or isinstance(value, torch.Tensor))
+            ]:
                 del current[name]
             for name, value in attributes.items():
                 if current.get(name, _MISSING) is not value:
