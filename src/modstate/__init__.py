@@ -8,6 +8,7 @@ True
 >>> out = ms.call(model, ms.extract(model, detach=True), torch.randn(2, 3))
 """
 
+from . import checkpoint
 from ._call import call
 from ._extract import extract
 from ._flat import flatten, unflatten
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "call",
+    "checkpoint",
     "extract",
     "flatten",
     "inject",

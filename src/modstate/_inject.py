@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from ._flat import Tree, is_subtree, unflatten
 from ._hooks import LoadPlan, plan_load, run_overridden_loads
-from ._walk import Anatomy, ModuleGuard, anatomy_of, check_supported, forget
+from ._walk import Anatomy, ModuleGuard, anatomy_of, forget
 
 _is = operator.is_
 _setitem = operator.setitem
@@ -77,6 +77,10 @@ class Swap:
         deque(map(_setitem, self.tables, self.names, self.values), maxlen=0)
         self._applied = True
 
+    def replaced(self) -> Tree:
+        """What the applied swap took out of the module, at the tree's paths."""
+        return self.rebuild(self.olds)
+
     def undo(self) -> None:
         if not self._applied:
             return
@@ -105,7 +109,7 @@ as ``torch.func.functional_call`` accepts a tuple of dicts."""
 def prepare(module: nn.Module, tree: TreeArg, strict: bool) -> Swap:
     """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing."""
     anatomy = anatomy_of(module)
-    if type(tree) is dict or (isinstance(tree, Mapping)):
+    if type(tree) is dict or isinstance(tree, Mapping):
         fast = _prepare_compiled(anatomy, tree, strict)
         if fast is not None:
             return fast
@@ -301,11 +305,11 @@ def _unwrapped(tensor: Tensor) -> Tensor:
 
 
 class HookedSwap(Swap):
-    """A swap prepared by replaying ``load_state_dict``; also swaps extra state."""
+    """A swap prepared by replaying ``load_state_dict``; it swaps extra state too."""
 
-    __slots__ = ("extra",)
+    __slots__ = ("extra_states", "previous_extra")
 
-    def __init__(self, plan: LoadPlan, tree: TreeArg, guard: ModuleGuard) -> None:
+    def __init__(self, plan: LoadPlan, tree: TreeArg, guard: ModuleGuard | None) -> None:
         assignments = plan.assignments
         flat_nodes = {path: (node, key) for path, _, node, key in leaves_of(tree)}
 
@@ -319,29 +323,40 @@ class HookedSwap(Swap):
             [a.current for a in assignments],
             [i for i, a in enumerate(assignments) if a.is_buffer],
             target,
-            guard.restore,
+            None if guard is None else guard.restore,
             lambda olds: unflatten({a.key: old for a, old in zip(assignments, olds)}),
         )
-        self.extra = plan.extra_states
+        self.extra_states = plan.extra_states
+        self.previous_extra: list[tuple[nn.Module, str, Any]] = []
 
     def apply(self) -> None:
-        previous = []
         try:
-            for module, _, value in self.extra:
-                previous.append((module, module.get_extra_state()))
+            for module, key, value in self.extra_states:
+                self.previous_extra.append((module, key, module.get_extra_state()))
                 module.set_extra_state(value)
         except BaseException:
-            for module, state in reversed(previous):
-                module.set_extra_state(state)
+            self._restore_extra()
             raise
-        self.extra = previous
         super().apply()
 
     def undo(self) -> None:
-        if not self._applied:
-            return
-        super().undo()
-        for module, state in reversed(self.extra):
+        if self._applied:
+            super().undo()
+            self._restore_extra()
+
+    def replaced(self) -> Tree:
+        tree = super().replaced()
+        for _, key, state in self.previous_extra:
+            owner, _, name = key.rpartition(".")
+            node = tree
+            for part in owner.split(".") if owner else ():
+                node = node.setdefault(part, {})
+            node[name] = state
+        return tree
+
+    def _restore_extra(self) -> None:
+        while self.previous_extra:
+            module, _, state = self.previous_extra.pop()
             module.set_extra_state(state)
 
 
@@ -411,7 +426,6 @@ class inject:
 
     >>> import torch, modstate as ms
     >>> lin = torch.nn.Linear(2, 2)
-    >>> zeros = ms.tree.zeros_like(ms.extract(lin))  # doctest: +SKIP
     >>> with ms.inject(lin, {"weight": torch.zeros(2, 2), "bias": torch.ones(2)}):
     ...     lin(torch.randn(1, 2))
     tensor([[1., 1.]])
@@ -437,7 +451,6 @@ class inject:
         if self._swap is not None:
             raise RuntimeError("this inject(...) block is already active; make a new one")
         if self._use_state_dict:
-            check_supported(self._module)
             plan, guard = prepare_hooked(self._module, self._tree, self._strict, in_place=False)
             swap: Swap = HookedSwap(plan, self._tree, guard)
         else:
@@ -471,30 +484,14 @@ def swap(
     >>> _ = ms.swap(lin, old)  # back to the original Parameters
     """
     if use_state_dict:
-        check_supported(module)
         plan, guard = prepare_hooked(module, tree, strict, in_place=False)
         guard.restore()  # the replaced tensors stay unmaterialized: swapping back restores all
-        prepared: Swap = HookedSwap(plan, tree, guard)
-        prepared.guard = None
+        prepared: Swap = HookedSwap(plan, tree, None)
     else:
         prepared = prepare(module, tree, strict)
     prepared.apply()
     forget(module)
-    replaced = prepared.rebuild(prepared.olds)
-    if isinstance(prepared, HookedSwap):
-        for owner, state in prepared.extra:
-            key = next(k for m, k, _ in plan.extra_states if m is owner)
-            replaced = _merge(replaced, unflatten({key: state}))
-    return replaced
-
-
-def _merge(tree: Tree, other: Tree) -> Tree:
-    for key, value in other.items():
-        if key in tree and is_subtree(key, value):
-            _merge(tree[key], value)
-        else:
-            tree[key] = value
-    return tree
+    return prepared.replaced()
 
 
 def load(
@@ -517,43 +514,56 @@ def load(
     True
     """
     if use_state_dict:
-        check_supported(module)
         plan, _ = prepare_hooked(module, tree, strict, in_place=True)
-        pairs = [(a.current, a.value) for a in plan.assignments]
-        extra = plan.extra_states
+        currents = [a.current for a in plan.assignments]
+        values = [a.value for a in plan.assignments]
     else:
         prepared = prepare(module, tree, strict)
         _check_copyable(module, prepared)
-        pairs = list(zip(prepared.olds, prepared.values))
-        extra = []
-        plan = None
-    done: set[int] = set()
+        currents, values, plan = prepared.olds, prepared.values, None
+    _copy(currents, values)
+    if plan is not None:
+        for owner, _, state in plan.extra_states:
+            owner.set_extra_state(state)
+        if plan.overridden:
+            run_overridden_loads(plan)
+            if plan.errors:
+                raise ValueError(plan.errors[0])
+
+
+def _copy(currents: list[Tensor], values: list[Tensor]) -> None:
+    """``current.copy_(value)`` for each pair, once per tensor (ties), fused where possible."""
+    seen: set[int] = set()
+    pairs = []
+    for current, value in zip(currents, values):
+        if current is not value and id(current) not in seen:
+            seen.add(id(current))
+            pairs.append((current, value))
+    if not pairs:
+        return
+    destinations, sources = map(list, zip(*pairs))
     with torch.no_grad():
-        for current, value in pairs:
-            if id(current) not in done and current is not value:
-                done.add(id(current))
-                current.copy_(value)
-    for owner, _, value in extra:
-        owner.set_extra_state(value)
-    if plan is not None and plan.overridden:
-        run_overridden_loads(plan)
-        if plan.errors:
-            raise ValueError(plan.errors[0])
+        try:
+            torch._foreach_copy_(destinations, sources)
+        except (RuntimeError, TypeError, NotImplementedError):
+            for destination, source in pairs:
+                destination.copy_(source)
 
 
 def _check_copyable(module: nn.Module, prepared: Swap) -> None:
-    anatomy = anatomy_of(module)
-    path_of = {(id(s.table), s.name): s.path for s in anatomy.slots}
-    for table, name, current, value in zip(
-        prepared.tables, prepared.names, prepared.olds, prepared.values
-    ):
+    for i, (current, value) in enumerate(zip(prepared.olds, prepared.values)):
         if is_lazy(current):
             raise ValueError(
-                f"{path_of[(id(table), name)]!r} is not initialized yet (lazy module): load cannot "
-                "copy into it; use swap, or load with use_state_dict=True"
+                f"{_path_of(module, prepared, i)!r} is not initialized yet (lazy module): load "
+                "cannot copy into it; use swap, or load with use_state_dict=True"
             )
         if value.shape != current.shape:
             raise ValueError(
-                f"{path_of[(id(table), name)]!r}: shape {tuple(value.shape)} in the tree, "
+                f"{_path_of(module, prepared, i)!r}: shape {tuple(value.shape)} in the tree, "
                 f"{tuple(current.shape)} in the module: load copies in place, shapes must match"
             )
+
+
+def _path_of(module: nn.Module, prepared: Swap, i: int) -> str:
+    table, name = prepared.tables[i], prepared.names[i]
+    return next(s.path for s in anatomy_of(module).slots if s.table is table and s.name == name)

@@ -1,0 +1,114 @@
+"""Which leaves a checkpoint can hold, checked before anything is written."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# Every dtype that both torch and safetensors know (safetensors' own table, by torch name).
+_SAFETENSORS_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+)
+SAFETENSORS_DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, name) for name in _SAFETENSORS_DTYPE_NAMES if hasattr(torch, name)
+)
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it needlessly)."""
+    if not isinstance(value, torch.Tensor) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def check_file_tensor(path: str, tensor: torch.Tensor) -> None:
+    """Refuse, naming ``path``, a tensor that a safetensors file cannot hold faithfully."""
+    if is_dtensor(tensor):
+        raise TypeError(
+            f"cannot save leaf {path!r} to one file: it is a DTensor (a shard of a distributed "
+            "tensor); use modstate.checkpoint.save_distributed, or save leaf.full_tensor()"
+        )
+    if tensor.is_nested:
+        raise TypeError(f"cannot save leaf {path!r}: nested tensors are not supported")
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"cannot save leaf {path!r}: layout {tensor.layout} is not dense; "
+            "convert it with .to_dense() first"
+        )
+    if tensor.is_quantized:
+        raise TypeError(
+            f"cannot save leaf {path!r}: quantized tensors ({tensor.dtype}) are not supported; "
+            "save extract(module, use_state_dict=True) of an unquantized model, or dequantize"
+        )
+    if tensor.device.type == "meta":
+        raise ValueError(f"cannot save leaf {path!r}: it is a meta tensor and holds no data")
+    if tensor.dtype not in SAFETENSORS_DTYPES:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES))
+        raise TypeError(
+            f"cannot save leaf {path!r}: dtype {tensor.dtype} is not supported by safetensors "
+            f"(supported: {supported})"
+        )
+
+
+def check_json_value(path: str, value: Any) -> None:
+    """Refuse, naming ``path``, a non-tensor leaf that JSON would not give back unchanged.
+
+    Allowed: ``None``, ``bool``, ``int``, finite ``float``, ``str``, and ``list`` / ``dict``
+    (string keys) of those. Tuples, sets, non-string keys, NaN and other objects are refused
+    because ``json`` would change them (or cannot write them) and a checkpoint never pickles.
+    """
+    problem = _json_problem(value, "")
+    if problem is not None:
+        where, what = problem
+        inside = f" (at {where})" if where else ""
+        raise TypeError(
+            f"cannot save leaf {path!r}: {what}{inside}. Non-tensor leaves (such as "
+            "_extra_state) are stored as JSON, so they must be None, bool, int, finite float, "
+            "str, or lists / str-keyed dicts of those; checkpoints never pickle"
+        )
+
+
+def _json_problem(value: Any, where: str) -> tuple[str, str] | None:
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return None
+    if kind is float:
+        return None if math.isfinite(value) else (where, f"float {value!r} is not finite")
+    if kind is list:
+        for index, item in enumerate(value):
+            problem = _json_problem(item, f"{where}[{index}]")
+            if problem is not None:
+                return problem
+        return None
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                return (where, f"dict key {key!r} is a {type(key).__name__}, not a str")
+            problem = _json_problem(item, f"{where}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(value, torch.Tensor):
+        return (where, "a tensor inside a non-tensor leaf cannot be stored")
+    return (where, f"a {kind.__name__} value is not JSON")
