@@ -8,7 +8,7 @@ True
 >>> out = ms.call(model, ms.extract(model, detach=True), torch.randn(2, 3))
 """
 
-from . import checkpoint
+from . import checkpoint, optim
 from ._call import call
 from ._extract import extract
 from ._flat import flatten, unflatten
@@ -24,6 +24,7 @@ __all__ = [
     "flatten",
     "inject",
     "load",
+    "optim",
     "swap",
     "unflatten",
 ]
