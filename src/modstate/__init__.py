@@ -8,7 +8,7 @@ True
 >>> out = ms.call(model, ms.extract(model, detach=True), torch.randn(2, 3))
 """
 
-from . import checkpoint, optim
+from . import checkpoint, optim, tree
 from ._call import call
 from ._extract import extract
 from ._flat import flatten, unflatten
@@ -26,5 +26,6 @@ __all__ = [
     "load",
     "optim",
     "swap",
+    "tree",
     "unflatten",
 ]
