@@ -14,9 +14,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
     notebook = nbformat.read(path, as_version=4)
-    assert all(cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code"), (
-        "commit the notebook with its outputs"
-    )
+    assert all(
+        cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code"
+    ), "commit the notebook with its outputs"
     client = nbclient.NotebookClient(
         notebook,
         timeout=300,

@@ -10,13 +10,17 @@ True
 
 from . import checkpoint, optim, tree
 from ._call import call
+from ._ensemble import Ensemble
 from ._extract import extract
 from ._flat import flatten, unflatten
 from ._inject import inject, load, swap
+from ._stack import stack, stack_modules, unstack
+from ._vmap import vmap_call
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Ensemble",
     "__version__",
     "call",
     "checkpoint",
@@ -25,7 +29,11 @@ __all__ = [
     "inject",
     "load",
     "optim",
+    "stack",
+    "stack_modules",
     "swap",
     "tree",
     "unflatten",
+    "unstack",
+    "vmap_call",
 ]

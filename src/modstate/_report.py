@@ -316,7 +316,7 @@ def plot_ratios(report: Report, path: Path) -> str | None:
     if not bars:
         return "bench.png not written: no case has both modstate and a peer"
     labels, ratios = zip(*reversed(bars))
-    figure, axes = plt.subplots(figsize=(9, 1.2 + 0.32 * len(bars)))
+    figure, axes = plt.subplots(figsize=(13, 1.4 + 0.32 * len(bars)))
     colors = ["tab:green" if ratio <= 1 else "tab:red" for ratio in ratios]
     axes.barh(range(len(ratios)), ratios, color=colors)
     axes.set_yticks(range(len(ratios)), labels, fontsize=8)
@@ -330,10 +330,10 @@ def plot_ratios(report: Report, path: Path) -> str | None:
     axes.set_xticks(ticks, [f"{t:g}" for t in ticks])
     for index, ratio in enumerate(ratios):
         axes.text(ratio, index, f" {ratio:.2f}", va="center", fontsize=7)
-    axes.set_xlabel("modstate time / peer time (median, log scale; left of 1 = modstate faster)")
+    axes.set_xlabel("modstate time / peer time (median, log scale)\nleft of 1: modstate is faster")
     axes.set_title("modstate vs peers")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return None
 
