@@ -199,7 +199,7 @@ def test_main_notes_a_peer_that_is_not_installed(tmp_path, pytree_suite, monkeyp
     hidden = tmp_path / "hide"
     (hidden / "tensordict").mkdir(parents=True)
     (hidden / "tensordict" / "__init__.py").write_text(
-        "raise ImportError(\"No module named 'tensordict'\")\n"
+        "raise ModuleNotFoundError(\"No module named 'tensordict'\")\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(hidden))
     out_dir = tmp_path / "out"
