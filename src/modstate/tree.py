@@ -84,14 +84,7 @@ def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     >>> ms.tree.map(torch.square, {"a": torch.tensor([2.0])})
     {'a': tensor([4.])}
     """
-    try:
-        if rest:
-            return map_leaves_n(fn, tree, rest, APPLY, _rest_names(len(rest)))
-        return map_leaves(fn, tree, APPLY)
-    except AtPath as error:
-        raise_at("map", error, user_fn=True)
-    except StructureMismatch as error:
-        raise_at("map", AtPath(error))
+    return _map_user_fn("map", fn, tree, rest)
 
 
 def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -108,14 +101,19 @@ def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     def with_path(leaf: Any, *others: Any) -> Any:
         return fn(next(paths), leaf, *others)
 
+    return _map_user_fn("map_with_path", with_path, tree, rest)
+
+
+def _map_user_fn(name: str, fn: Callable[..., Any], tree: Any, rest: tuple[Any, ...]) -> Any:
+    """``fn`` at every leaf of ``tree`` and the matching leaves of ``rest``; errors name ``name``."""
     try:
         if rest:
-            return map_leaves_n(with_path, tree, rest, APPLY, _rest_names(len(rest)))
-        return map_leaves(with_path, tree, APPLY)
+            return map_leaves_n(fn, tree, rest, APPLY, _rest_names(len(rest)))
+        return map_leaves(fn, tree, APPLY)
     except AtPath as error:
-        raise_at("map_with_path", error, user_fn=True)
+        raise_at(name, error, user_fn=True)
     except StructureMismatch as error:
-        raise_at("map_with_path", AtPath(error))
+        raise_at(name, AtPath(error))
 
 
 def _rest_names(count: int) -> tuple[str, ...]:
