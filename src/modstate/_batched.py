@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from ._extract import extract
 from ._flat import flatten
-from ._vmap import Structure, buffer_paths
+from ._vmap import Structure
+from ._walk import buffer_paths
 
 Step = Callable[[Tensor, bool], tuple[Any, bool]]
 Slot = tuple[dict[str, Any], str]

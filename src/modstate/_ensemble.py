@@ -15,6 +15,7 @@ from ._flat import Layout, flatten
 from ._inject import swap
 from ._stack import stack_modules
 from ._vmap import InDims
+from ._walk import slot_at
 
 _RANDOMNESS = ("error", "different", "same")
 
@@ -241,17 +242,16 @@ def _register_stacked(root: nn.Module, template: nn.Module, stacked: dict[str, A
         owner = owners.get(prefix)
         if owner is None:
             owner = _mirror(owners, prefix)
-        original = template.get_submodule(prefix)
+        original = slot_at(template, path)
         tensor = registered.get(id(value))
-        if name in original._parameters:
+        if not original.is_buffer:
             if tensor is None:
                 tensor = nn.Parameter(value, requires_grad=value.requires_grad)
             owner.register_parameter(name, tensor)
         else:
             if tensor is None:
                 tensor = value
-            persistent = name not in original._non_persistent_buffers_set
-            owner.register_buffer(name, tensor, persistent=persistent)
+            owner.register_buffer(name, tensor, persistent=original.persistent)
         registered[id(value)] = tensor
 
 
@@ -269,8 +269,6 @@ def _slots_of(template: nn.Module, root: nn.Module) -> dict[int, Slot]:
     """Where the stacked form of each of the template's tensors lives (its first path)."""
     slot_of: dict[int, Slot] = {}
     for path, tensor in flatten(extract(template)).items():
-        prefix, _, name = path.rpartition(".")
-        owner = root.get_submodule(prefix)
-        table = owner._parameters if name in owner._parameters else owner._buffers
-        slot_of.setdefault(id(tensor), (table, name))
+        slot = slot_at(root, path)
+        slot_of.setdefault(id(tensor), (slot.table, slot.name))
     return slot_of

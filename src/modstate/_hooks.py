@@ -30,6 +30,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 from torch.nn.parameter import is_lazy
 
 from ._flat import Layout, Tree, unflatten
+from ._walk import buffer_paths
 
 _DEFAULT_LOAD = nn.Module._load_from_state_dict
 _DEFAULT_SET_EXTRA_STATE = nn.Module.set_extra_state
@@ -50,12 +51,7 @@ def state_dict_tree(module: nn.Module, *, buffers: bool = True) -> Tree:
             layout = _layouts[module] = Layout(keys)
         return layout.nest(list(flat.values()))
     else:
-        buffer_keys = {
-            f"{prefix}.{name}" if prefix else name
-            for prefix, owner in module.named_modules(remove_duplicate=False)
-            for name in owner._buffers
-            if name not in owner._non_persistent_buffers_set
-        }
+        buffer_keys = buffer_paths(module, persistent_only=True)
         flat = {key: value for key, value in flat.items() if key not in buffer_keys}
     return unflatten(flat)
 

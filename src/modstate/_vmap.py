@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ._call import call
 from ._flat import Layout, Tree, flatten, unflatten
+from ._walk import buffer_paths
 
 InDims = int | None | tuple[Any, ...] | list[Any]
 
@@ -157,16 +158,6 @@ class Structure:
         return torch.vmap(
             member, in_dims=(0, *arg_dims), randomness=randomness, chunk_size=chunk_size
         )(distinct, *args)
-
-
-def buffer_paths(module: nn.Module) -> set[str]:
-    """Every path at which ``module`` holds a buffer (tied or shared ones at each path)."""
-    return {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, owner in module.named_modules(remove_duplicate=False)
-        for name, buffer in owner._buffers.items()
-        if buffer is not None
-    }
 
 
 def _leaf_at(tree: Tree, keys: list[str]) -> Any:

@@ -60,6 +60,29 @@ class Slot:
         return f"Slot({self.path!r})"
 
 
+def slot_at(module: nn.Module, path: str) -> Slot:
+    """The slot at a dotted path of ``module`` (``"0.weight"``); ``KeyError`` if none is there."""
+    prefix, _, name = path.rpartition(".")
+    owner = module.get_submodule(prefix)
+    if owner._parameters.get(name) is not None:
+        return Slot(path, owner, name, is_buffer=False)
+    if owner._buffers.get(name) is not None:
+        return Slot(path, owner, name, is_buffer=True)
+    raise KeyError(f"{path!r}: the module has no parameter or buffer there")
+
+
+def buffer_paths(module: nn.Module, *, persistent_only: bool = False) -> set[str]:
+    """Every path at which ``module`` holds a buffer, shared submodules at each of their paths
+    (as ``state_dict`` lists them)."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, owner in module.named_modules(remove_duplicate=False)
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+        and not (persistent_only and name in owner._non_persistent_buffers_set)
+    }
+
+
 def check_supported(module: nn.Module) -> None:
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError(
