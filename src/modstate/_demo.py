@@ -109,7 +109,12 @@ def _report(data, test, test_ema, members: int, steps: int, elapsed: float) -> N
     for name, everywhere, within in rows:
         print(f"{name:28}{everywhere:12.4f}{within:14.4f}")
     ratio = spread_out / spread_in if spread_in > 0 else math.inf
+    verdict = (
+        ": the ensemble knows where it has not seen data"
+        if ratio > 1.5
+        else " (train longer for the members to agree where there is data)"
+    )
     print(
         f"members' spread (std): {spread_in:.3f} inside the training range, {spread_out:.3f} "
-        f"outside ({ratio:.1f}x): the ensemble knows where it has not seen data"
+        f"outside ({ratio:.1f}x){verdict}"
     )
