@@ -14,8 +14,8 @@ import modstate
 def _with_examples() -> list[str]:
     names = [
         info.name
-        for info in pkgutil.iter_modules(modstate.__path__)
-        if info.name not in {"__main__", "tree"}  # tree's examples run in tests/test_tree.py
+        for info in pkgutil.walk_packages(modstate.__path__, prefix="modstate.")
+        if info.name not in {"modstate.__main__", "modstate.tree"}  # run in tests/tree/test_tree.py
     ]
     return [
         name for name in ["modstate", *sorted(names)] if ">>>" in inspect.getsource(_module(name))
@@ -23,7 +23,7 @@ def _with_examples() -> list[str]:
 
 
 def _module(name: str):
-    return modstate if name == "modstate" else importlib.import_module(f"modstate.{name}")
+    return importlib.import_module(name)
 
 
 @pytest.mark.parametrize("name", _with_examples())

@@ -8,14 +8,9 @@ True
 >>> out = ms.call(model, ms.extract(model, detach=True), torch.randn(2, 3))
 """
 
-from . import checkpoint, optim, tree
-from ._call import call
-from ._ensemble import Ensemble
-from ._extract import extract
-from ._flat import flatten, unflatten
-from ._inject import inject, load, swap
-from ._stack import stack, stack_modules, unstack
-from ._vmap import vmap_call
+from modstate import checkpoint, optim, tree
+from modstate._core import call, extract, flatten, inject, load, swap, unflatten
+from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 
 __version__ = "0.1.0"
 

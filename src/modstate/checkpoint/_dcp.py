@@ -1,0 +1,181 @@
+"""Flat trees through ``torch.distributed.checkpoint`` (DCP): checks and load targets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from modstate.checkpoint._leaves import is_dtensor
+
+
+@contextlib.contextmanager
+def single_process_quietly(process_group: Any) -> Iterator[bool]:
+    """Yield DCP's ``no_dist``: true when there is no process group to coordinate.
+
+    Then DCP reads and writes as one process, which is what modstate documents, so DCP's
+    warning that it is "assuming the intent" is silenced for that call only.
+    """
+    grouped = process_group is not None or (dist.is_available() and dist.is_initialized())
+    if grouped:
+        yield False
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield True
+
+
+def to_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat tree as DCP wants it: tensors detached (DTensors stay DTensors).
+
+    Meta tensors hold no data and are refused, naming the path, before anything is written.
+    """
+    for path, leaf in flat.items():
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            raise ValueError(f"cannot save leaf {path!r}: it is a meta tensor and holds no data")
+    return {
+        path: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+        for path, leaf in flat.items()
+    }
+
+
+def read_metadata(directory: str | os.PathLike) -> Metadata:
+    name = os.fspath(directory)
+    if not os.path.isdir(name):
+        raise FileNotFoundError(f"no distributed checkpoint at {name!r}: not a directory")
+    if not os.path.exists(os.path.join(name, ".metadata")):
+        raise FileNotFoundError(
+            f"{name!r} holds no complete distributed checkpoint: its .metadata file, written "
+            "last by save_distributed, is missing (was the save interrupted?)"
+        )
+    return dcp.FileSystemReader(name).read_metadata()
+
+
+def check_compatible(
+    name: str, flat_like: Mapping[str, Any], metadata: Metadata, *, strict: bool
+) -> None:
+    """Refuse, naming paths, a ``like`` tree whose tensors the checkpoint cannot fill.
+
+    Every tensor path of ``like`` must be a tensor in the checkpoint with the same global shape
+    (and, if ``strict``, the same dtype); with ``strict`` the checkpoint may hold no tensor that
+    ``like`` lacks. Non-tensor leaves are checked by ``non_tensor_targets``.
+    """
+    saved = metadata.state_dict_metadata
+    problems: list[str] = []
+    for path, leaf in flat_like.items():
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        entry = saved.get(path)
+        if entry is None:
+            problems.append(f"{path!r} is not in the checkpoint")
+        elif not isinstance(entry, TensorStorageMetadata):
+            problems.append(f"{path!r} is a tensor in like but not in the checkpoint")
+        elif tuple(entry.size) != tuple(leaf.shape):
+            problems.append(
+                f"{path!r} has shape {tuple(entry.size)} in the checkpoint, "
+                f"{tuple(leaf.shape)} in like"
+            )
+        elif strict and entry.properties.dtype != leaf.dtype:
+            problems.append(
+                f"{path!r} has dtype {entry.properties.dtype} in the checkpoint, "
+                f"{leaf.dtype} in like (strict=False casts)"
+            )
+    if strict:
+        for path, entry in saved.items():
+            if (
+                isinstance(entry, TensorStorageMetadata)
+                and _origin(metadata, path) not in flat_like
+            ):
+                problems.append(
+                    f"{path!r} is in the checkpoint but not in like (strict=False skips it)"
+                )
+    if problems:
+        shown = "; ".join(problems[:8])
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ValueError(f"cannot load {name!r} into like: {shown}{more}")
+
+
+def empty_targets(flat_like: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """Fresh tensors shaped, typed and placed like ``flat_like``'s (DTensors keep their layout).
+
+    A tensor object that appears at several paths gets one target, so ties survive the load.
+    Non-tensor leaves get placeholders shaped as saved (see ``non_tensor_target``).
+    """
+    made: dict[int, torch.Tensor] = {}
+    targets: dict[str, Any] = {}
+    for path, leaf in flat_like.items():
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device.type == "meta" and not is_dtensor(leaf):
+                raise ValueError(
+                    f"cannot load into like leaf {path!r}: it is a meta tensor; give a like "
+                    "tree on a real device"
+                )
+            if id(leaf) not in made:
+                made[id(leaf)] = torch.empty_like(leaf.detach())
+            targets[path] = made[id(leaf)]
+        else:
+            targets[path] = non_tensor_target(path, leaf, metadata)
+    return targets
+
+
+def non_tensor_target(path: str, like_leaf: Any, metadata: Metadata) -> Any:
+    """A placeholder that DCP fills with the non-tensor leaf saved at ``path``.
+
+    DCP splits a saved dict (and a list holding dicts or tensors) into one entry per item, and
+    loads only the entries its target names; so the target is rebuilt from the checkpoint's own
+    record of those entries, and the leaf comes back as it was saved, whatever ``like`` holds
+    there. An empty dict or list leaves no entry: it comes back as ``like``'s own empty value.
+    """
+    items = [
+        (_object_path(metadata, fqn)[1:], entry)
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if _origin(metadata, fqn) == path
+    ]
+    if not items:
+        if isinstance(like_leaf, (dict, list)) and not like_leaf:
+            return like_leaf
+        raise ValueError(f"cannot load into like: {path!r} is not in the checkpoint")
+    if len(items) == 1 and items[0][0] == ():
+        return _placeholder(items[0][1])
+    root: dict = {}
+    for keys, entry in items:
+        node = root
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = _placeholder(entry)
+    return _with_lists(root)
+
+
+def _placeholder(entry: Any) -> Any:
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return None
+
+
+def _with_lists(node: Any) -> Any:
+    # DCP records list items by integer index: turn those levels back into lists.
+    if not isinstance(node, dict):
+        return node
+    node = {key: _with_lists(value) for key, value in node.items()}
+    if node and all(type(key) is int for key in node) and sorted(node) == list(range(len(node))):
+        return [node[index] for index in range(len(node))]
+    return node
+
+
+def _object_path(metadata: Metadata, fqn: str) -> tuple:
+    """Where DCP found entry ``fqn``: (top-level key, then keys / indices inside its value)."""
+    planner_data = metadata.planner_data
+    if isinstance(planner_data, dict) and fqn in planner_data:
+        return tuple(planner_data[fqn])
+    return (fqn,)
+
+
+def _origin(metadata: Metadata, fqn: str) -> str:
+    return _object_path(metadata, fqn)[0]

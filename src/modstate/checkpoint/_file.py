@@ -1,0 +1,227 @@
+"""The single-file checkpoint format: a safetensors file plus a JSON record of the tree.
+
+A flat tree (dotted paths, module order) is written as one safetensors file. The header's
+metadata holds, under the key ``"modstate"``, a JSON object::
+
+    {"version": 1,
+     "order": ["0.weight", "0.bias", ...],      # every path, in the tree's order
+     "ties": {"head.weight": "embed.weight"},  # path -> the path whose tensor it shares
+     "values": {"norm._extra_state": {...}},   # non-tensor leaves, as JSON
+     "crc32": {"0.weight": 123456, ...}}       # checksum of each stored tensor's bytes
+
+Tensors stored once per tie; ``"format": "pt"`` is also set, as Hugging Face files do. A
+safetensors file without the ``"modstate"`` record (written by any other tool) loads too: its
+tensors, in the file's order, with no ties.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+
+from modstate.checkpoint._leaves import check_file_tensor, check_json_value
+
+RECORD_KEY = "modstate"
+FORMAT_VERSION = 1
+
+
+def pack(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Validate every leaf of ``flat``, then return the tensors to write and the header metadata.
+
+    Leaves that are the same view of the same memory (tied weights) are stored once; a tensor
+    that shares memory with another in any other way is copied, so each loads independently.
+    Non-contiguous tensors are made contiguous. Nothing is copied before all leaves pass.
+    """
+    for path, leaf in flat.items():
+        if isinstance(leaf, torch.Tensor):
+            check_file_tensor(path, leaf)
+        else:
+            check_json_value(path, leaf)
+
+    stored: dict[str, torch.Tensor] = {}
+    ties: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    first_path_of_view: dict[tuple, str] = {}
+    storages_in_use: set[tuple] = set()
+    for path, leaf in flat.items():
+        if not isinstance(leaf, torch.Tensor):
+            values[path] = leaf
+            continue
+        tensor = leaf.detach()
+        view = _view_key(tensor)
+        if view is not None and view in first_path_of_view:
+            ties[path] = first_path_of_view[view]
+            continue
+        storage = _storage_key(tensor)
+        if view is not None:
+            first_path_of_view[view] = path
+            if storage in storages_in_use:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            storages_in_use.add(storage)
+        # One copy to the CPU serves both the checksum and the write.
+        stored[path] = tensor.to("cpu").contiguous()
+    record = {
+        "version": FORMAT_VERSION,
+        "order": list(flat),
+        "ties": ties,
+        "values": values,
+        "crc32": {path: _crc32(tensor) for path, tensor in stored.items()},
+    }
+    return stored, {"format": "pt", RECORD_KEY: json.dumps(record, allow_nan=False)}
+
+
+def write(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    safetensors.torch.save_file(tensors, path, metadata=metadata)
+
+
+def read(path: str | os.PathLike, device: torch.device) -> dict[str, Any]:
+    """Read a checkpoint file into a flat dict (paths in tree order), never unpickling.
+
+    Raises ``ValueError`` naming the file when it is not a safetensors file (a pickle or a
+    ``torch.save`` archive is recognised and named as such), is truncated, or its contents do
+    not match their checksums.
+    """
+    name = os.fspath(path)
+    _refuse_foreign_file(name)
+    try:
+        with safetensors.safe_open(name, framework="pt", device="cpu") as handle:
+            header = handle.metadata() or {}
+            names = handle.keys()  # a safe_open handle is not iterable
+            tensors = {key: handle.get_tensor(key) for key in names}
+    except safetensors.SafetensorError as error:
+        raise ValueError(
+            f"{name!r} is not a readable safetensors file ({error}); it may be truncated or "
+            "corrupted"
+        ) from error
+    record_text = header.get(RECORD_KEY)
+    if record_text is None:
+        flat: dict[str, Any] = dict(tensors)
+    else:
+        flat = _assemble(name, tensors, _parse_record(name, record_text, tensors))
+    return _to_device(flat, device)
+
+
+def _assemble(name: str, tensors: dict[str, torch.Tensor], record: dict) -> dict[str, Any]:
+    for path, expected in record["crc32"].items():
+        if _crc32(tensors[path]) != expected:
+            raise ValueError(
+                f"{name!r} is corrupted: the bytes of tensor {path!r} do not match their checksum"
+            )
+    flat: dict[str, Any] = {}
+    for path in record["order"]:
+        if path in record["values"]:
+            flat[path] = record["values"][path]
+        elif path in record["ties"]:
+            flat[path] = tensors[record["ties"][path]]
+        else:
+            flat[path] = tensors[path]
+    return flat
+
+
+def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> dict:
+    def corrupted(why: str) -> ValueError:
+        return ValueError(f"{name!r} has a corrupted modstate record in its header: {why}")
+
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise corrupted(f"invalid JSON ({error})") from error
+    if not isinstance(record, dict):
+        raise corrupted("not a JSON object")
+    version = record.get("version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{name!r} was written in modstate checkpoint format {version!r}; this version of "
+            f"modstate reads format {FORMAT_VERSION}"
+        )
+    order, ties, values, checksums = (record.get(k) for k in ("order", "ties", "values", "crc32"))
+    if not (
+        isinstance(order, list)
+        and isinstance(ties, dict)
+        and isinstance(values, dict)
+        and isinstance(checksums, dict)
+    ):
+        raise corrupted("missing or malformed 'order', 'ties', 'values' or 'crc32'")
+    if not all(isinstance(p, str) for p in [*order, *ties.values()]):
+        raise corrupted("a recorded path is not a string")
+    stored = [p for p in order if p not in ties and p not in values]
+    if (
+        len(set(order)) != len(order)
+        or set(stored) != set(tensors)
+        or not set(ties).union(values) <= set(order)
+    ):
+        raise corrupted("the recorded paths do not match the tensors in the file")
+    if any(target not in tensors for target in ties.values()) or set(checksums) != set(tensors):
+        raise corrupted("ties or checksums refer to tensors that are not in the file")
+    return record
+
+
+def _refuse_foreign_file(name: str) -> None:
+    # A safetensors file is an 8-byte little-endian header length, then a JSON header that
+    # the format requires to start with "{".
+    with open(name, "rb") as handle:
+        head = handle.read(9)
+        size = os.fstat(handle.fileno()).st_size
+    header_length = int.from_bytes(head[:8], "little")
+    if len(head) == 9 and head[8:] == b"{" and header_length <= size - 8:
+        return
+    if head.startswith(b"PK\x03\x04"):
+        raise ValueError(
+            f"{name!r} is a zip archive (as torch.save writes), not a safetensors file; "
+            "modstate.checkpoint.load never unpickles. If you trust the file, load it with "
+            "torch.load(path, weights_only=True) and save it again with modstate.checkpoint.save"
+        )
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        raise ValueError(
+            f"{name!r} is a pickle, not a safetensors file; modstate.checkpoint.load never "
+            "unpickles, so it was not opened"
+        )
+    if len(head) == 9 and head[8:] == b"{":
+        raise ValueError(
+            f"{name!r} is truncated: its safetensors header claims {header_length} bytes but "
+            f"the file has {size} bytes"
+        )
+    raise ValueError(f"{name!r} is not a safetensors file (or is empty or truncated)")
+
+
+def _to_device(flat: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    if device == torch.device("cpu"):
+        return flat
+    moved: dict[int, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in moved:  # a tie moves once and stays one tensor
+                moved[id(leaf)] = leaf.to(device)
+            leaf = moved[id(leaf)]
+        out[path] = leaf
+    return out
+
+
+def _view_key(tensor: torch.Tensor) -> tuple | None:
+    """Equal keys mean the tensors are the same view of the same memory (always equal)."""
+    storage = _storage_key(tensor)
+    if storage is None:
+        return None
+    return (*storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple | None:
+    if tensor.numel() == 0:
+        return None
+    pointer = tensor.untyped_storage().data_ptr()
+    return None if pointer == 0 else (tensor.device, pointer)
+
+
+def _crc32(tensor: torch.Tensor) -> int:
+    flat_bytes = tensor.detach().contiguous().reshape(-1)
+    if flat_bytes.numel() == 0:
+        return 0
+    return zlib.crc32(flat_bytes.view(torch.uint8).numpy())

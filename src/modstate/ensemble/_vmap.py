@@ -1,0 +1,192 @@
+"""Run one module with every member of a stacked tree, under ``torch.vmap``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from modstate._core.call import call
+from modstate._core.flat import Layout, Tree, flatten, unflatten
+from modstate._core.walk import buffer_paths
+
+InDims = int | None | tuple[Any, ...] | list[Any]
+
+
+def vmap_call(
+    module: nn.Module,
+    stacked: Tree,
+    /,
+    *args: Any,
+    in_dims: InDims = None,
+    randomness: str = "error",
+    chunk_size: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``module`` once per member of ``stacked`` and return the stacked outputs (dim 0).
+
+    In essence ``torch.vmap(lambda tree, *a: ms.call(module, tree, *a, **kwargs), in_dims=(0,
+    *in_dims))(stacked, *args)``. ``in_dims=None``: every member sees the same inputs;
+    ``in_dims=0``: each positional input has one slice per member along dim 0; a tuple gives one
+    entry per positional input, as in ``torch.vmap`` (``None`` shares that input). Keyword
+    arguments are shared by every member. ``randomness`` (``"error"``, ``"different"``,
+    ``"same"``) and ``chunk_size`` are ``torch.vmap``'s: with ``"different"``, dropout draws a
+    different mask for every member.
+
+    In-place updates in ``forward`` land in the stacked tensors (BatchNorm's running statistics,
+    one per member); a buffer that ``forward`` reassigns is written back into ``stacked``, stacked.
+    Tied tensors stay tied (the stacked tree holds one tensor at both paths). The module is left
+    exactly as it was: same objects, same ``requires_grad``.
+
+    >>> import torch, modstate as ms
+    >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+    >>> stacked = ms.stack_modules(models)
+    >>> ms.vmap_call(models[0], stacked, torch.randn(10, 3)).shape
+    torch.Size([4, 10, 2])
+    """
+    return batched_call(module, stacked, args, kwargs, in_dims, randomness, chunk_size)
+
+
+def batched_call(
+    module: nn.Module,
+    stacked: Tree,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: InDims,
+    randomness: str,
+    chunk_size: int | None,
+) -> Any:
+    """:func:`vmap_call` with its arguments gathered."""
+    if not isinstance(stacked, dict):
+        raise TypeError(
+            f"expected a stacked tree (a dict of tensors), got {type(stacked).__name__}"
+        )
+    flat = flatten(stacked)
+    structure = Structure(list(flat), list(flat.values()), buffer_paths(module))
+    out, reassigned = structure.run(
+        module,
+        structure.distinct(list(flat.values())),
+        args,
+        kwargs,
+        in_dims,
+        randomness,
+        chunk_size,
+    )
+    if reassigned:
+        _write_back(stacked, unflatten({structure.paths[i]: v for i, v in reassigned.items()}))
+    return out
+
+
+class Structure:
+    """A stacked tree's structure, compiled once: its distinct tensors (a tensor held at several
+    paths, a tie, counts once) and how to nest them into a tree again.
+
+    ``torch.vmap`` wraps every leaf it is given separately, so one tensor at two paths would come
+    out as two tensors and the tie would be lost; passing each tensor once and nesting inside the
+    vmapped function keeps it. Lists are in optree's leaf order of the tree (sorted keys)."""
+
+    __slots__ = ("buffers", "constants", "paths", "sources", "treespec", "where")
+
+    def __init__(self, paths: list[str], values: list[Any], buffers: set[str]) -> None:
+        layout = _layout(tuple(paths))
+        self.treespec = layout.treespec
+        self.paths = [paths[j] for j in layout.order]
+        self.constants = [values[j] for j in layout.order]
+        position: dict[int, int] = {}
+        self.where: list[int | None] = []
+        self.sources: list[int] = []  # flat index of each distinct tensor's first path
+        for j, value in zip(layout.order, self.constants):
+            if isinstance(value, Tensor):
+                index = position.setdefault(id(value), len(position))
+                if index == len(self.sources):
+                    self.sources.append(j)
+                self.where.append(index)
+            else:
+                self.where.append(None)
+        # Only a buffer can be reassigned by forward: where each is, to look after the call.
+        self.buffers = [
+            (k, path.split(".")) for k, path in enumerate(self.paths) if path in buffers
+        ]
+
+    def distinct(self, values: list[Any]) -> list[Tensor]:
+        """The distinct tensors, from leaf values listed in the original path order."""
+        return [values[j] for j in self.sources]
+
+    def run(
+        self,
+        module: nn.Module,
+        distinct: list[Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        in_dims: InDims,
+        randomness: str,
+        chunk_size: int | None,
+        count: int | None = None,
+    ) -> tuple[Any, dict[int, Tensor]]:
+        """Run every member; return the stacked outputs and the buffers ``forward`` reassigned,
+        stacked, keyed by their index in ``paths``. ``count``, the number of members, is needed
+        only when neither the tree nor the inputs are batched (a module without state)."""
+        where, constants, treespec, buffers = (
+            self.where,
+            self.constants,
+            self.treespec,
+            self.buffers,
+        )
+        arg_dims = _argument_dims(in_dims, len(args))
+        if not distinct and all(d is None for d in arg_dims):
+            if count is None:
+                raise ValueError(
+                    "the stacked tree holds no tensors and every input is shared: nothing says "
+                    "how many members there are"
+                )
+            distinct = [torch.empty(count, 0)]  # only carries the member count into vmap
+
+        def member(leaves: list[Tensor], *member_args: Any) -> tuple[Any, dict[int, Tensor]]:
+            values = [c if i is None else leaves[i] for i, c in zip(where, constants)]
+            tree = optree.tree_unflatten(treespec, values)
+            out = call(module, tree, *member_args, **kwargs)
+            reassigned = {}
+            for k, keys in buffers:
+                now = _leaf_at(tree, keys)
+                if now is not values[k]:
+                    reassigned[k] = now
+            return out, reassigned
+
+        return torch.vmap(
+            member, in_dims=(0, *arg_dims), randomness=randomness, chunk_size=chunk_size
+        )(distinct, *args)
+
+
+def _leaf_at(tree: Tree, keys: list[str]) -> Any:
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(paths: tuple[str, ...]) -> Layout:
+    return Layout(list(paths))
+
+
+def _argument_dims(in_dims: InDims, count: int) -> tuple[Any, ...]:
+    if in_dims is None or isinstance(in_dims, int):
+        return (in_dims,) * count
+    if isinstance(in_dims, (tuple, list)):
+        if len(in_dims) != count:
+            raise ValueError(
+                f"in_dims has {len(in_dims)} entries for {count} positional inputs; give one per "
+                "input (None shares it across members)"
+            )
+        return tuple(in_dims)
+    raise TypeError(f"in_dims must be None, an int or a tuple, got {type(in_dims).__name__}")
+
+
+def _write_back(tree: dict[str, Any], changed: dict[str, Any]) -> None:
+    for key, value in changed.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _write_back(tree[key], value)
+        else:
+            tree[key] = value

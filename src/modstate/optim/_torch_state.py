@@ -1,0 +1,262 @@
+"""A `torch.optim` optimizer's state as a tree keyed by parameter path, and back.
+
+`optimizer.state_dict()` names parameters by integer position in the optimizer, which breaks as
+soon as the model or the optimizer is rebuilt differently. Here each parameter is named by its
+dotted path in the module (`module.named_parameters()`; a tied parameter, held at several paths,
+by the first of them), as `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` does,
+and the per-parameter state is nested at that path so the result is an ordinary tree.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from modstate._core.flat import flatten, unflatten
+
+# State entries that torch.optim keeps with the shape of their parameter; others (such as the
+# 0-dim "step", or Adafactor's factored moments) have their own shapes and are not checked.
+_PARAMETER_SHAPED = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "square_avg",
+        "grad_avg",
+        "acc_delta",
+        "sum",
+        "exp_inf",
+        "ax",
+        "prev",
+        "step_size",
+    }
+)
+_GROUP_PATH_KEYS = ("params", "param_names")
+
+
+def _group_paths(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str]]:
+    """The dotted path of every parameter of every group of `optimizer`, in the group's order."""
+    path_of = {id(p): name for name, p in module.named_parameters()}
+    result = []
+    for g, group in enumerate(optimizer.param_groups):
+        paths = []
+        for i, param in enumerate(group["params"]):
+            path = path_of.get(id(param))
+            if path is None:
+                raise ValueError(
+                    f"parameter {i} of the optimizer's param group {g} (shape "
+                    f"{tuple(param.shape)}) is not a parameter of the {type(module).__name__}"
+                )
+            paths.append(path)
+        result.append(paths)
+    return result
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """The state of `optimizer`, which optimizes (some of) `module`'s parameters, as a tree.
+
+    Returns ``{"state": tree, "param_groups": [...]}``. In ``state`` each parameter's entries
+    (``exp_avg``, ``step``, ``momentum_buffer``, ...) sit at that parameter's path; parameters
+    without state (frozen, or not stepped yet) are absent. Each group lists its hyperparameters
+    and its parameters as dotted paths. The leaves are the optimizer's own state tensors, as
+    `optimizer.state_dict()` gives them: clone the tree to keep a snapshot across steps.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> opt = torch.optim.Adam(model.parameters())
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> opt.step()
+    >>> tree = optimizer_state(opt, model)
+    >>> sorted(modstate.flatten(tree["state"]))[:3]
+    ['0.bias.exp_avg', '0.bias.exp_avg_sq', '0.bias.step']
+    >>> tree["param_groups"][0]["params"]
+    ['0.weight', '0.bias']
+    """
+    group_paths = _group_paths(optimizer, module)
+    packed = optimizer.state_dict()
+    path_of_id: dict[Any, str] = {}
+    for saved, paths in zip(packed["param_groups"], group_paths):
+        path_of_id.update(zip(saved["params"], paths))
+
+    by_path: dict[str, Mapping[str, Any]] = {}
+    for param_id, entries in packed["state"].items():
+        if param_id not in path_of_id:
+            raise ValueError(
+                f"the optimizer holds state under {param_id!r}, which names none of its parameters"
+            )
+        by_path[path_of_id[param_id]] = entries
+
+    flat: dict[str, Any] = {}
+    for path, _ in module.named_parameters():
+        for key, value in by_path.get(path, {}).items():
+            if not isinstance(key, str) or "." in key:
+                raise ValueError(f"state key {key!r} of {path!r} cannot be part of a dotted path")
+            flat[f"{path}.{key}"] = value
+
+    param_groups = []
+    for saved, paths in zip(packed["param_groups"], group_paths):
+        group = {k: v for k, v in saved.items() if k not in _GROUP_PATH_KEYS}
+        group["params"] = list(paths)
+        param_groups.append(group)
+    return {"state": unflatten(flat), "param_groups": param_groups}
+
+
+def _subtree_at(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _check_groups(
+    optimizer: torch.optim.Optimizer,
+    groups: Any,
+    group_paths: list[list[str]],
+    module_paths: set[str],
+) -> None:
+    current = optimizer.param_groups
+    if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
+        raise ValueError(f"param_groups must be a list, got {type(groups).__name__}")
+    if len(groups) != len(current):
+        raise ValueError(
+            f"the tree has {len(groups)} param groups, the optimizer has {len(current)}"
+        )
+    group_of = {path: g for g, paths in enumerate(group_paths) for path in paths}
+    for g, (saved, paths) in enumerate(zip(groups, group_paths)):
+        if not isinstance(saved, Mapping) or "params" not in saved:
+            raise ValueError(f"param_groups[{g}] must be a dict with a 'params' list of paths")
+        saved_paths = list(saved["params"])
+        for path in saved_paths:
+            if path not in module_paths:
+                raise ValueError(
+                    f"param_groups[{g}] lists {path!r}, which is not a parameter of the module"
+                )
+            if path not in paths:
+                where = f"group {group_of[path]}" if path in group_of else "none of its groups"
+                raise ValueError(
+                    f"param_groups[{g}] lists {path!r}, which the optimizer holds in {where}"
+                )
+        if len(set(saved_paths)) != len(saved_paths):
+            twice = next(p for p in saved_paths if saved_paths.count(p) > 1)
+            raise ValueError(f"param_groups[{g}] lists {twice!r} twice")
+        missing = [path for path in paths if path not in saved_paths]
+        if missing:
+            raise ValueError(
+                f"param_groups[{g}] does not list {missing[0]!r}, which the optimizer's "
+                f"group {g} holds"
+            )
+        # One-sided differences are versions (a hyperparameter torch added later) or LR
+        # schedulers ("initial_lr"); differences both ways mean another kind of optimizer.
+        extra = sorted(set(saved) - set(current[g]) - set(_GROUP_PATH_KEYS) - {"initial_lr"})
+        lacking = sorted(set(current[g]) - set(saved) - set(_GROUP_PATH_KEYS) - {"initial_lr"})
+        if extra and lacking:
+            raise ValueError(
+                f"param_groups[{g}] has hyperparameters {extra} and lacks {lacking} of "
+                f"{type(optimizer).__name__}: it comes from another kind of optimizer"
+            )
+
+
+def _check_state(
+    state: Any, group_paths: list[list[str]], module_params: Mapping[str, Tensor]
+) -> dict[str, Mapping[str, Any]]:
+    """Each optimized parameter's state entries in `state`, checked; nothing else may be there."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"the tree's 'state' must be a dict, got {type(state).__name__}")
+    optimized = [path for paths in group_paths for path in paths]
+    entries_of: dict[str, Mapping[str, Any]] = {}
+    for path in optimized:
+        entries = _subtree_at(state, path)
+        if entries is None:
+            continue
+        if not isinstance(entries, Mapping):
+            raise ValueError(
+                f"state at {path!r} must be a dict of that parameter's state "
+                f"(exp_avg, step, ...), got {type(entries).__name__}"
+            )
+        entries_of[path] = entries
+
+    optimized_set = set(optimized)
+    for key in flatten(state):
+        parts = key.split(".")
+        prefixes = (".".join(parts[:n]) for n in range(1, len(parts)))
+        if not any(prefix in optimized_set for prefix in prefixes):
+            owner = next((p for p in module_params if key.startswith(p + ".")), None)
+            if owner is not None:
+                raise ValueError(
+                    f"the tree has state {key!r} for {owner!r}, which the optimizer does not hold"
+                )
+            raise ValueError(
+                f"the tree has state {key!r}, which is under no parameter of the module"
+            )
+
+    for path, entries in entries_of.items():
+        shape = module_params[path].shape
+        for key, value in entries.items():
+            if not isinstance(value, Tensor):
+                continue
+            if key in _PARAMETER_SHAPED and value.shape != shape:
+                raise ValueError(
+                    f"state {path}.{key} has shape {tuple(value.shape)}, but the parameter "
+                    f"{path!r} has shape {tuple(shape)}"
+                )
+            if key == "step" and value.numel() != 1:
+                raise ValueError(
+                    f"state {path}.step must hold one number, got shape {tuple(value.shape)}"
+                )
+    return entries_of
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: _copied(v) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, module: nn.Module, tree: Mapping[str, Any]
+) -> None:
+    """Load a tree from `optimizer_state` into `optimizer`, which optimizes `module`.
+
+    The optimizer may be a fresh one, of a freshly built model: parameters are matched by path,
+    so its next step is the one the saved optimizer would have taken. Hyperparameters the tree's
+    groups give replace the optimizer's; those it lacks are kept. Tensors are copied, so the tree
+    is not tied to the optimizer afterwards.
+
+    Everything is checked first; a tree that does not fit (a path that is no parameter of the
+    module or that the optimizer does not hold in that group, a group that misses one, a state
+    tensor whose shape differs from its parameter's, the hyperparameters of another kind of
+    optimizer) raises a ValueError naming the path, and the optimizer is left as it was.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> fresh = nn.Sequential(nn.Linear(2, 2))
+    >>> fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    >>> load_optimizer_state(fresh_opt, fresh, optimizer_state(opt, model))
+    """
+    if not isinstance(tree, Mapping) or set(tree) != {"state", "param_groups"}:
+        keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+        raise ValueError(f"expected a dict with keys 'state' and 'param_groups', got {keys}")
+    group_paths = _group_paths(optimizer, module)
+    module_params = dict(module.named_parameters())
+    _check_groups(optimizer, tree["param_groups"], group_paths, set(module_params))
+    entries_of = _check_state(tree["state"], group_paths, module_params)
+
+    packed = optimizer.state_dict()
+    id_of: dict[str, Any] = {}
+    param_groups = []
+    for saved, current, paths in zip(tree["param_groups"], packed["param_groups"], group_paths):
+        id_of.update(zip(paths, current["params"]))
+        group = {k: v for k, v in current.items() if k != "params"}
+        group.update({k: _copied(v) for k, v in saved.items() if k not in _GROUP_PATH_KEYS})
+        group["params"] = current["params"]
+        param_groups.append(group)
+    state = {id_of[path]: _copied(entries) for path, entries in entries_of.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})

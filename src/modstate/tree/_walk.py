@@ -1,0 +1,328 @@
+"""The one recursion behind `modstate.tree`: rebuild any pytree leaf by leaf, and name paths in errors.
+
+What is a node and what is a leaf follows optree with ``none_is_leaf=False``: ``dict``, ``list``,
+``tuple``, namedtuples, ``OrderedDict``, ``defaultdict`` and ``deque`` are walked into; ``None`` is a
+node with no children (it is kept where it stands and never given to a leaf function); everything
+else, tensors first, is a leaf. Plain ``dict``/``list``/``tuple`` are handled inline (`map` runs
+on this walk; the tensor ops try ``_flat`` first and come here for other trees and to name
+the path of an error); every other node type goes through ``optree.tree_flatten_one_level``, so
+nothing is registered with optree. Dicts are walked in insertion order (module order), unlike
+``optree.tree_flatten``, which sorts keys.
+
+Paths cost nothing on the way down: an error raised at a leaf is wrapped once in `AtPath`, and each
+container it passes through on the way up adds its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import Any, NoReturn
+
+import optree
+from torch import Tensor
+
+# How a leaf function treats a leaf that is not a tensor.
+APPLY = "apply"  # call it anyway (`map`)
+KEEP = "keep"  # leave it as it is (`clone`, `detach`, `to`)
+REFUSE = "refuse"  # TypeError naming the path (shape and arithmetic ops)
+
+_PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+class AtPath(Exception):
+    """An error raised somewhere inside a tree, on its way up to the public function.
+
+    ``keys`` collects the path innermost first; `path` reads it as a dotted string.
+    """
+
+    def __init__(self, error: BaseException, *keys: Any) -> None:
+        super().__init__(error)
+        self.error = error
+        self.keys: list[Any] = list(keys)
+
+    @property
+    def path(self) -> str:
+        return ".".join(str(key) for key in reversed(self.keys))
+
+
+class StructureMismatch(ValueError):
+    """Two trees that should have the same structure differ (raised inside an `AtPath`)."""
+
+
+def raise_at(op: str, wrapped: AtPath, *, user_fn: bool = False) -> NoReturn:
+    """Raise the error carried by ``wrapped`` so that it names its path.
+
+    Errors from modstate's own leaf operations are re-raised as the same builtin class with
+    ``"modstate.tree.<op>: at '<path>': "`` in front of the message. An exception from a user's
+    function (``user_fn``), or of an uncommon class, is re-raised as the very same object, with
+    the path added as a note (Python 3.11+), so that callers catching it still can.
+    """
+    error = wrapped.error
+    where = repr(wrapped.path) if wrapped.keys else "the root"
+    if isinstance(error, StructureMismatch):
+        raise ValueError(f"modstate.tree.{op}: structure mismatch at {where}: {error}") from None
+    if not user_fn and type(error) in _PLAIN_ERRORS:
+        raise type(error)(f"modstate.tree.{op}: at {where}: {error}") from error
+    if hasattr(error, "add_note"):
+        error.add_note(f"raised by the function given to modstate.tree.{op} at leaf {where}")
+    raise error
+
+
+def refuse_non_tensor(leaf: Any) -> NoReturn:
+    raise TypeError(f"expected a tensor leaf, got {type(leaf).__name__}")
+
+
+def is_leaf(node: Any) -> bool:
+    """True for a leaf of a modstate tree (a tensor, or any value optree does not walk into)."""
+    if isinstance(node, Tensor):
+        return True
+    if node is None or type(node) in (dict, list, tuple):
+        return False
+    return optree.tree_is_leaf(node, none_is_leaf=False)
+
+
+def children(node: Any) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any]]:
+    """``(keys, children, rebuild)`` of a container node, in insertion order.
+
+    ``keys`` are what a dotted path shows (dict keys, list indices, namedtuple field names);
+    ``rebuild(new_children)`` makes a node of the same type and metadata.
+    """
+    kind = type(node)
+    if kind is dict:
+        keys = list(node)
+        return keys, list(node.values()), lambda new: dict(zip(keys, new))
+    if kind is list:
+        return list(range(len(node))), list(node), list
+    if kind is tuple:
+        return list(range(len(node))), list(node), tuple
+    if node is None:
+        return [], [], lambda new: None
+    flat = optree.tree_flatten_one_level(node, none_is_leaf=False)
+    fields = getattr(node, "_fields", None)
+    keys = list(fields) if isinstance(node, tuple) and fields is not None else list(flat.entries)
+    metadata, unflatten = flat.metadata, flat.unflatten_func
+    return keys, list(flat.children), lambda new: unflatten(metadata, new)
+
+
+def map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str = APPLY) -> Any:
+    """A copy of the tree ``node`` with ``fn(leaf)`` in place of every leaf.
+
+    ``non_tensor`` says what happens to a leaf that is not a tensor: `APPLY`, `KEEP` or `REFUSE`.
+    Errors come out wrapped in `AtPath` (except one raised by ``fn`` on a root leaf).
+    """
+    kind = type(node)
+    if kind is dict:
+        out = {}
+        try:
+            for key, value in node.items():
+                if isinstance(value, Tensor):
+                    out[key] = fn(value)
+                else:
+                    out[key] = map_leaves(fn, value, non_tensor)
+        except AtPath as error:
+            error.keys.append(key)
+            raise
+        except Exception as error:
+            raise AtPath(error, key) from None
+        return out
+    if isinstance(node, Tensor):
+        return fn(node)
+    if node is None:
+        return None
+    if kind is not list and kind is not tuple and is_leaf(node):
+        if non_tensor == APPLY:
+            return fn(node)
+        if non_tensor == KEEP:
+            return node
+        refuse_non_tensor(node)
+    keys, kids, rebuild = children(node)
+    new = []
+    try:
+        for child in kids:
+            new.append(map_leaves(fn, child, non_tensor))
+    except AtPath as error:
+        error.keys.append(keys[len(new)])
+        raise
+    except Exception as error:
+        raise AtPath(error, keys[len(new)]) from None
+    return rebuild(new)
+
+
+def _describe(node: Any) -> str:
+    if isinstance(node, Tensor):
+        return f"a tensor of shape {tuple(node.shape)}"
+    if node is None:
+        return "None"
+    if is_leaf(node):
+        return f"a leaf of type {type(node).__name__}"
+    return f"a {type(node).__name__} node"
+
+
+def _check_same_node(node: Any, other: Any, name: str) -> None:
+    """Raise `StructureMismatch` unless ``other`` is a node of the same kind and arity as ``node``."""
+    if type(other) is not type(node):
+        raise StructureMismatch(f"tree has {_describe(node)}, {name} has {_describe(other)}")
+    if isinstance(node, dict):
+        if node.keys() != other.keys():
+            missing = [key for key in node if key not in other]
+            extra = [key for key in other if key not in node]
+            # Name the first differing child so that the path points at it.
+            key = missing[0] if missing else extra[0]
+            what = f"{name} has no key {key!r}" if missing else f"{name} has an extra key {key!r}"
+            raise AtPath(StructureMismatch(what), key)
+        if type(node) is not dict and list(node) != list(other):
+            raise StructureMismatch(f"keys in a different order: {list(node)} vs {list(other)}")
+    elif node is not None:
+        if type(node) in (list, tuple):
+            count, other_count = len(node), len(other)
+        else:
+            count, other_count = len(children(node)[1]), len(children(other)[1])
+        if count != other_count:
+            raise StructureMismatch(f"tree has {count} children here, {name} has {other_count}")
+
+
+def map_leaves_n(
+    fn: Callable[..., Any],
+    node: Any,
+    others: Sequence[Any],
+    non_tensor: str = APPLY,
+    names: Sequence[str] = (),
+) -> Any:
+    """Like `map_leaves` with ``fn(leaf, *matching_leaves_of_others)``.
+
+    Every tree in ``others`` must have exactly the structure of ``node`` (dicts: the same keys, in
+    any order; the result follows ``node``'s order); the first difference raises a
+    `StructureMismatch` naming its path. ``names`` name the others in that message.
+    """
+    if not others:
+        return map_leaves(fn, node, non_tensor)
+    if is_leaf(node):
+        for index, other in enumerate(others):
+            if not is_leaf(other):
+                name = names[index] if index < len(names) else f"tree {index + 1}"
+                raise StructureMismatch(
+                    f"tree has {_describe(node)}, {name} has {_describe(other)}"
+                )
+        if non_tensor == APPLY or isinstance(node, Tensor):
+            return fn(node, *others)
+        if non_tensor == KEEP:
+            return node
+        refuse_non_tensor(node)
+    for index, other in enumerate(others):
+        name = names[index] if index < len(names) else f"tree {index + 1}"
+        _check_same_node(node, other, name)
+    if node is None:
+        return None
+    keys, kids, rebuild = children(node)
+    if isinstance(node, dict):
+        other_kids = [[other[key] for key in keys] for other in others]
+    else:
+        other_kids = [children(other)[1] for other in others]
+    new = []
+    try:
+        for index, child in enumerate(kids):
+            matching = [kids_of_other[index] for kids_of_other in other_kids]
+            new.append(map_leaves_n(fn, child, matching, non_tensor, names))
+    except AtPath as error:
+        error.keys.append(keys[len(new)])
+        raise
+    except Exception as error:
+        raise AtPath(error, keys[len(new)]) from None
+    return rebuild(new)
+
+
+def split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -> list[Any]:
+    """``count`` trees shaped like ``node``: tree ``i`` holds ``fn(leaf)[i]`` at each leaf.
+
+    ``fn`` must give exactly ``count`` pieces at every leaf; leaves must be tensors.
+    """
+    kind = type(node)
+    if kind is dict:
+        columns = []
+        try:
+            for value in node.values():
+                if isinstance(value, Tensor):
+                    pieces = fn(value)
+                    if len(pieces) != count:
+                        raise ValueError(piece_count_message(len(pieces), count))
+                else:
+                    pieces = split_leaves(fn, value, count)
+                columns.append(pieces)
+        except AtPath as error:
+            error.keys.append(list(node)[len(columns)])
+            raise
+        except Exception as error:
+            raise AtPath(error, list(node)[len(columns)]) from None
+        return transpose(node, columns, count)
+    if isinstance(node, Tensor):
+        pieces = fn(node)
+        if len(pieces) != count:
+            raise ValueError(piece_count_message(len(pieces), count))
+        return list(pieces)
+    if node is None:
+        return [None] * count
+    if is_leaf(node):
+        refuse_non_tensor(node)
+    keys, kids, rebuild = children(node)
+    columns = []
+    try:
+        for child in kids:
+            columns.append(split_leaves(fn, child, count))
+    except AtPath as error:
+        error.keys.append(keys[len(columns)])
+        raise
+    except Exception as error:
+        raise AtPath(error, keys[len(columns)]) from None
+    return [rebuild([column[i] for column in columns]) for i in range(count)]
+
+
+def transpose(node: dict, columns: list[Sequence[Any]], count: int) -> list[dict]:
+    """``count`` dicts with ``node``'s keys: dict ``i`` maps the ``j``-th key to ``columns[j][i]``."""
+    if not columns:
+        return [{} for _ in range(count)]
+    return list(map(dict, map(zip, repeat(node), zip(*columns))))
+
+
+def piece_count_message(got: int, expected: int) -> str:
+    return (
+        f"this leaf gives {got} pieces but the first leaf gave {expected}; "
+        "every leaf must give the same number"
+    )
+
+
+def first_tensor(node: Any) -> Tensor | None:
+    """The first tensor leaf in walk order, or None when the tree holds no tensor."""
+    if isinstance(node, Tensor):
+        return node
+    if type(node) is dict:
+        for value in node.values():
+            found = first_tensor(value)
+            if found is not None:
+                return found
+        return None
+    if node is None or is_leaf(node):
+        return None
+    for child in children(node)[1]:
+        found = first_tensor(child)
+        if found is not None:
+            return found
+    return None
+
+
+def leaves_with_paths(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``[(dotted_path, leaf), ...]`` in walk order (dict insertion order)."""
+    out: list[tuple[str, Any]] = []
+    _collect(node, prefix, out)
+    return out
+
+
+def _collect(node: Any, path: str, out: list[tuple[str, Any]]) -> None:
+    if is_leaf(node):
+        out.append((path, node))
+        return
+    if node is None:
+        return
+    keys, kids, _ = children(node)
+    for key, child in zip(keys, kids):
+        _collect(child, f"{path}.{key}" if path else str(key), out)
