@@ -131,7 +131,7 @@ def build_report(data: dict[str, Any], skipped: list[Skip] | None = None) -> Rep
     """Pair each group's modstate entry with its peers, from pytest-benchmark's JSON."""
     groups: dict[str, dict[str, dict[str, Any]]] = {}
     notes: list[str] = []
-    for bench in data.get("benchmarks", []):
+    for bench in _expand_interleaved(data.get("benchmarks", [])):
         group = bench.get("group") or bench.get("name", "?")
         impl = (bench.get("extra_info") or {}).get("impl")
         if not impl:
@@ -172,6 +172,21 @@ def build_report(data: dict[str, Any], skipped: list[Skip] | None = None) -> Rep
             case.peers.append(peer)
         cases.append(case)
     return Report(cases, list(skipped or []), notes)
+
+
+def _expand_interleaved(benchmarks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per implementation: a ``compare`` benchmark times several, interleaved."""
+    entries = []
+    for bench in benchmarks:
+        timed = (bench.get("extra_info") or {}).get("interleaved")
+        if not timed:
+            entries.append(bench)
+            continue
+        for impl, stats in timed.items():
+            entries.append(
+                {**bench, "extra_info": {**bench["extra_info"], "impl": impl}, "stats": stats}
+            )
+    return entries
 
 
 def _median(bench: dict[str, Any]) -> float:
