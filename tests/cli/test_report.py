@@ -173,7 +173,7 @@ def pytree_suite(tmp_path):
     source = report.find_benchmarks_dir()
     target = tmp_path / "suite" / "benchmarks"
     target.mkdir(parents=True)
-    for name in ("conftest.py", "pytree_benchmarks_test.py"):
+    for name in ("conftest.py", "_timing.py", "pytree_benchmarks_test.py"):
         shutil.copy(source / name, target / name)
     return target
 
