@@ -340,7 +340,7 @@ def _view_leaf(leaf: Tensor, new: tuple[int, ...], ndim: int) -> Tensor:
 # arithmetic
 
 
-def add(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
+def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """``leaf + alpha * other`` at every leaf, with ``torch.add``'s rules (dtype promotion, alpha).
 
     ``other`` is a Python number, a tensor (broadcast against every leaf), or a tree with the
@@ -356,7 +356,7 @@ def add(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
     return _binary("add", tree, other, lambda a, b: torch.add(a, b, alpha=alpha))
 
 
-def sub(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
+def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """``leaf - alpha * other`` at every leaf, with ``torch.sub``'s rules; ``other`` as in `add`.
 
     >>> ms.tree.sub({"w": torch.ones(2)}, {"w": torch.ones(2)})
