@@ -21,6 +21,7 @@ echo "fresh venv: torch and the wheel installed in $((SECONDS - started)) s"
 cd "$scratch"  # away from the checkout: only the installed package is importable
 "$py" -c "import modstate, sys; assert 'site-packages' in modstate.__file__, modstate.__file__"
 "$py" -m modstate --version
+"$scratch/venv/bin/modstate" --version
 "$py" -m modstate demo --steps 60 --no-progress >demo.out 2>demo.err
 if [ -s demo.err ]; then
     echo "fresh venv: the demo wrote to stderr:" >&2
