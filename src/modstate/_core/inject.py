@@ -184,11 +184,9 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
             given[i] = (first, node, key)
 
     if strict and len(given) < len(slots):
-        missing = [slot.path for i, slot in enumerate(slots) if i not in given]
-        shown = ", ".join(repr(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise KeyError(
-            f"the tree has no tensor for {shown} ({len(missing)} missing); pass strict=False to "
-            "keep the module's own tensors there"
+        raise MissingPaths(
+            [slot.path for i, slot in enumerate(slots) if i not in given],
+            "pass strict=False to keep the module's own tensors there",
         )
 
     order = sorted(given)
@@ -211,9 +209,24 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
     )
 
 
+class MissingPaths(KeyError):
+    """A strict tree that leaves out some of the module's paths; ``paths`` lists them all."""
+
+    def __init__(self, paths: list[str], fix: str) -> None:
+        self.paths = paths
+        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+        super().__init__(f"the tree has no tensor for {shown} ({len(paths)} missing); {fix}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def leaves_of(tree: TreeArg) -> Iterator[tuple[str, Any, Any, str]]:
     """``(path, leaf, node, key)`` for every leaf of a tree or of several trees, ``node[key]``
-    being where the leaf sits; refuses anything else, and a path given by two trees."""
+    being where the leaf sits; refuses anything else, and a path given by two trees.
+
+    A None leaf is a hole: the path is not given by this tree (the halves that
+    ``modstate.tree.partition`` makes hold None where a leaf went to the other half)."""
     if isinstance(tree, (tuple, list)):
         seen: set[str] = set()
         for component in tree:
@@ -245,7 +258,7 @@ def _leaves_with_parents(
             )
         if is_subtree(key, value):
             yield from _leaves_with_parents(value, f"{prefix}{key}.")
-        else:
+        elif value is not None:
             yield prefix + key, value, tree, key
 
 
