@@ -32,7 +32,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     """
     if torch.compiler.is_compiling():
         return _call_while_compiling(module, tree, args, kwargs)
-    swap = prepare(module, tree, True)
+    swap = prepare(module, tree, True, compute=True)
     swap.apply()
     try:
         return module(*args, **kwargs)
