@@ -72,3 +72,13 @@ def test_doctests_render_as_code_blocks():
         "",
         "See `sub`:",
     ]
+
+
+def test_a_public_module_without_all_lists_what_it_defines():
+    import types
+
+    module = types.ModuleType("modstate.fake")
+    exec(
+        "import math\nfrom math import sqrt\ndef cosine(): pass\ndef _hidden(): pass", vars(module)
+    )
+    assert public_api._defined_in(module) == ["cosine"]

@@ -1,4 +1,5 @@
-"""The public API as the reference site sees it: each public package and its ``__all__``.
+"""The public API as the reference site sees it: each public package and its ``__all__`` (for a
+public module without one, the public functions and classes it defines).
 
 The public packages are ``modstate`` and, recursively, every sub-module that a public package
 lists in ``__all__``, or that a public package other than ``modstate`` holds as a public
@@ -43,7 +44,7 @@ def public_packages() -> list[Package]:
         if module.__name__ in seen:
             continue
         seen.add(module.__name__)
-        names = tuple(getattr(module, "__all__", ()))
+        names = tuple(getattr(module, "__all__", None) or _defined_in(module))
         members = tuple(n for n in names if not inspect.ismodule(getattr(module, n, None)))
         subs = [
             value
@@ -56,6 +57,17 @@ def public_packages() -> list[Package]:
         found.append(Package(module.__name__, members, tuple(s.__name__ for s in subs)))
         queue.extend(subs)
     return found
+
+
+def _defined_in(module: ModuleType) -> list[str]:
+    """A module without ``__all__``: its public functions and classes defined there."""
+    return [
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == module.__name__
+    ]
 
 
 def summary_line(package: str, name: str) -> str:
