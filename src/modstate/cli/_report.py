@@ -463,7 +463,9 @@ def plot_ratios(report: Report, path: Path, *, footer: str = "") -> str | None:
     labels = [label for label, _ in reversed(bars)]
     peers = [peer for _, peer in reversed(bars)]
     ratios = [float(peer.ratio or 1.0) for peer in peers]
-    figure, axes = plt.subplots(figsize=(13, 1.9 + 0.32 * len(bars)))
+    # about 7 inches for the bars, whatever the labels take
+    label_inches = 0.065 * max(len(label) for label in labels)
+    figure, axes = plt.subplots(figsize=(7.5 + label_inches, 1.9 + 0.32 * len(bars)))
     colors = [FASTER if ratio <= 1 else SLOWER for ratio in ratios]
     rows = range(len(ratios))
     axes.barh(rows, [ratio - 1 for ratio in ratios], left=1.0, color=colors, height=0.7)
@@ -474,14 +476,13 @@ def plot_ratios(report: Report, path: Path, *, footer: str = "") -> str | None:
     axes.axvline(1.0, color="black", linewidth=1)
     axes.set_xscale("log")
     extremes = ratios + [p.ratio_low or 1.0 for p in peers] + [p.ratio_high or 1.0 for p in peers]
-    low = min(min(extremes), 1.0) / 1.8
-    high = max(max(extremes), 1.0) * 1.8
+    low = min(min(extremes), 1.0) / 2.5  # room for the labels past the bars
+    high = max(max(extremes), 1.0) * 2.5
     axes.set_xlim(low, high)
-    ticks = [
-        t
-        for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10, 20, 50)
-        if low <= t <= high
-    ]
+    axes.set_ylim(-0.6, len(ratios) - 0.4)
+    fine = (0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10)
+    coarse = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
+    ticks = [t for t in (fine if high / low <= 60 else coarse) if low <= t <= high]
     axes.minorticks_off()
     axes.set_xticks(ticks, [f"{t:g}" for t in ticks])
     for row, peer, ratio in zip(rows, peers, ratios):
