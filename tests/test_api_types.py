@@ -71,3 +71,18 @@ def test_optimizers_take_float_hyperparameters(tmp_path: Path) -> None:
     checkpoint.save(params, tmp_path / "params.safetensors")
     loaded = checkpoint.load(tmp_path / "params.safetensors", device="cpu")
     assert torch.equal(loaded["0"]["weight"], params["0"]["weight"])
+
+
+def test_functional_state_and_optimizer_helpers_type_check_and_run() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).train()
+    params, state = ms.split(model, detach=True)
+    x = torch.randn(8, 3)
+    out, new_state = ms.apply(model, params, state, x)
+    assert out.shape == (8, 1) and new_state.keys() == state.keys()
+    trainable, rest = ms.tree.partition(ms.extract(model), ms.tree.is_trainable)
+    assert ms.flatten(ms.tree.combine(trainable, rest)).keys() == model.state_dict().keys()
+    grads = ms.tree.map(torch.ones_like, params)
+    clipped, norm = optim.clip_grad_norm(grads, max_norm=1.0)
+    opt = optim.masked(optim.sgd(lr=0.1), "0.*")
+    params, _ = opt.step(params, clipped, opt.init(params))
+    assert float(norm) > 1.0
