@@ -257,7 +257,7 @@ def format_seconds(seconds: float) -> str:
 
 
 TABLE_WIDTH = 100
-IMPL_WIDTH = 36
+IMPL_WIDTH = 48  # the widest line is then 87 columns
 
 
 def format_spread(spread: float | None) -> str:
