@@ -94,27 +94,24 @@ def torch_func_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
 
 
 def functional_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
+    """``vmap(grad(ms.apply))`` for the gradients and new statistics of every member, then one
+    ``ms.optim.adam`` step on the stacked trees: Adam is elementwise and the members share their
+    step count, so that is each member's own step, run as one foreach kernel per operation."""
     model = models[0]
     params = ms.stack([ms.split(m, detach=True)[0] for m in models])
     state = ms.stack([ms.split(m, detach=True)[1] for m in models])
     opt = ms.optim.adam(lr=LR)
-    holder = {"params": params, "state": state, "opt": torch.vmap(opt.init)(params)}
+    holder = {"params": params, "state": state, "opt": opt.init(params)}
 
     def loss(p: dict, s: dict) -> tuple[torch.Tensor, dict]:
         out, new_state = ms.apply(model, p, s, x)
         return F.cross_entropy(out, y), new_state
 
-    def member_step(p: dict, s: dict, o: dict) -> tuple[dict, dict, dict]:
-        grads, s = grad(loss, has_aux=True)(p, s)
-        p, o = opt.step(p, grads, o)
-        return p, s, o
-
-    vmapped = torch.vmap(member_step)
+    grads_and_state = torch.vmap(grad(loss, has_aux=True))
 
     def step() -> None:
-        holder["params"], holder["state"], holder["opt"] = vmapped(
-            holder["params"], holder["state"], holder["opt"]
-        )
+        grads, holder["state"] = grads_and_state(holder["params"], holder["state"])
+        holder["params"], holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
 
     return step, holder
 
