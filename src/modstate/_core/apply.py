@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .call import call
 from .flat import Tree, is_subtree, iter_leaves
-from .walk import anatomy_of
+from .walk import Anatomy, anatomy_of
 
 
 def apply(
@@ -54,6 +55,11 @@ def apply(
             f"apply: state must be a tree (a dict of tensors), got {type(state).__name__}"
         )
     compiling = torch.compiler.is_compiling()
+    if not compiling and type(params) is dict:
+        fast = _apply_in_plan_order(module, params, state, args, kwargs)
+        if fast is not None:
+            return fast
+    # The general route: any tree shapes, precise errors, and what Dynamo can trace.
     # Which paths hold buffers (copied) rather than frozen parameters (passed as they are).
     if compiling:
         buffers = {path for path, _ in module.named_buffers(remove_duplicate=False)}
@@ -66,6 +72,93 @@ def apply(
     out = call(module, (params, work), *args, **kwargs)
     new_state = _collect(state, work, "", copies, updated_by_kernel, compiling)
     return out, new_state
+
+
+class _Layout:
+    """What apply needs to know of one anatomy: each path's position in the anatomy's plan
+    order, which paths hold buffers, and where the norm layers are."""
+
+    __slots__ = ("buffers", "norms", "position", "size")
+
+    def __init__(self, anatomy: Anatomy, module: nn.Module) -> None:
+        self.position = {slot.path: i for i, slot in enumerate(anatomy.ordered)}
+        self.size = len(anatomy.ordered)
+        self.buffers = frozenset(slot.path for slot in anatomy.slots if slot.is_buffer)
+        self.norms = [
+            (f"{prefix}." if prefix else "", owner)
+            for prefix, owner in module.named_modules()
+            if isinstance(owner, _NormBase)
+        ]
+
+    def updated_by_kernel(self) -> set[str]:
+        paths = set()
+        for dot, owner in self.norms:
+            if owner.training and owner.track_running_stats:
+                paths.update((f"{dot}running_mean", f"{dot}running_var"))
+        return paths
+
+
+_layouts: weakref.WeakKeyDictionary[Anatomy, _Layout] = weakref.WeakKeyDictionary()
+
+
+def _apply_in_plan_order(
+    module: nn.Module, params: dict, state: Mapping[str, Any], args: tuple, kwargs: dict
+) -> tuple[Any, Tree] | None:
+    """apply through the anatomy's compiled plan: ``params`` and the copied ``state`` merged into
+    one tree shaped like ``extract``'s. None (nothing done) when the trees are not exactly two
+    disjoint halves of the module's paths: the general route then runs, or names the error."""
+    anatomy = anatomy_of(module)
+    layout = _layouts.get(anatomy)
+    if layout is None:
+        layout = _layouts[anatomy] = _Layout(anatomy, module)
+    position, buffers = layout.position, layout.buffers
+    leaves: list[Any] = [None] * layout.size
+    for path, leaf in iter_leaves(params):
+        if leaf is None:
+            continue
+        i = position.get(path)
+        if i is None or path in buffers or leaves[i] is not None:
+            return None
+        leaves[i] = leaf
+    copies: dict[str, tuple[Tensor, int]] = {}
+    for path, leaf in iter_leaves(state):
+        if leaf is None:
+            continue
+        i = position.get(path)
+        if i is None or leaves[i] is not None:
+            return None
+        if path in buffers and isinstance(leaf, Tensor):
+            leaf = leaf.clone()
+            copies[path] = (leaf, _version(leaf))
+        leaves[i] = leaf
+    if any(leaf is None for leaf in leaves):
+        return None
+    merged = anatomy.new_tree(leaves)
+    out = call(module, merged, *args, **kwargs)
+    after = anatomy.read(merged)
+    assert after is not None  # call writes reassigned buffers back in place: same shape
+    now = after[0]
+    updated = layout.updated_by_kernel()
+
+    def collect(node: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, original in node.items():
+            path = prefix + key
+            if is_subtree(key, original):
+                out[key] = collect(original, f"{path}.")
+                continue
+            copy = copies.get(path)
+            if copy is None:
+                out[key] = original
+                continue
+            current = now[position[path]]
+            if current is not copy[0] or path in updated or _version(current) != copy[1]:
+                out[key] = current
+            else:
+                out[key] = original
+        return out
+
+    return out, collect(state, "")
 
 
 def _refuse_buffers_in(params: Any, buffers: set[str]) -> None:
