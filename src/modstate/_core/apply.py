@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from .call import call
 from .flat import Tree, is_subtree, iter_leaves
@@ -26,7 +25,10 @@ def apply(
     Nothing passed in is mutated: the buffers in ``state`` are copied before ``forward`` runs, so
     a buffer that ``forward`` updates in place (BatchNorm's running statistics in train mode) or
     reassigns (``self.count = self.count + 1``) comes back as a new tensor in ``new_state``, which
-    has the structure of ``state``; every other leaf comes back as the very same object. Outputs
+    has the structure of ``state``; every other leaf comes back as the very same object. Which
+    buffers changed cannot always be seen (``batch_norm`` writes its statistics without a trace),
+    so the buffers of submodules in training mode always come back as their copies, changed or
+    not; in eval mode an untouched buffer comes back as the same object. Outputs
     and new statistics equal the stateful ``module(*args, **kwargs)`` bit for bit, and the module
     is left exactly as it was.
 
@@ -66,7 +68,7 @@ def apply(
     else:
         buffers = {path for path, slot in anatomy_of(module).by_path.items() if slot.is_buffer}
     _refuse_buffers_in(params, buffers)
-    updated_by_kernel = _statistics_updated_in_train_mode(module)
+    updated_by_kernel = _buffers_of_training_modules(module)
     copies: dict[str, tuple[Tensor, int]] = {}
     work = _copy_buffers(state, "", buffers, copies, compiling)
     out = call(module, (params, work), *args, **kwargs)
@@ -78,24 +80,16 @@ class _Layout:
     """What apply needs to know of one anatomy: each path's position in the anatomy's plan
     order, which paths hold buffers, and where the norm layers are."""
 
-    __slots__ = ("buffers", "norms", "position", "size")
+    __slots__ = ("buffers", "owners", "position", "size")
 
     def __init__(self, anatomy: Anatomy, module: nn.Module) -> None:
         self.position = {slot.path: i for i, slot in enumerate(anatomy.ordered)}
         self.size = len(anatomy.ordered)
         self.buffers = frozenset(slot.path for slot in anatomy.slots if slot.is_buffer)
-        self.norms = [
-            (f"{prefix}." if prefix else "", owner)
-            for prefix, owner in module.named_modules()
-            if isinstance(owner, _NormBase)
-        ]
+        self.owners = _buffer_owners(module)
 
     def updated_by_kernel(self) -> set[str]:
-        paths = set()
-        for dot, owner in self.norms:
-            if owner.training and owner.track_running_stats:
-                paths.update((f"{dot}running_mean", f"{dot}running_var"))
-        return paths
+        return {path for path, owner in self.owners.items() if owner.training}
 
 
 _layouts: weakref.WeakKeyDictionary[Anatomy, _Layout] = weakref.WeakKeyDictionary()
@@ -231,16 +225,24 @@ def _version(tensor: Tensor) -> int:
     return tensor._version
 
 
-def _statistics_updated_in_train_mode(module: nn.Module) -> set[str]:
-    """Paths of the running statistics that norm kernels update in place in train mode.
+def _buffer_owners(module: nn.Module) -> dict[str, nn.Module]:
+    """The module that holds each buffer, by path (a shared module at its first path)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: owner
+        for prefix, owner in module.named_modules()
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+    }
 
-    The batch-norm kernels write ``running_mean`` / ``running_var`` without bumping their version
-    counter (the schema of ``native_batch_norm`` does not mark them mutable), so they are named
-    here rather than detected.
+
+def _buffers_of_training_modules(module: nn.Module) -> set[str]:
+    """Paths of the buffers whose owner is in training mode: each comes back as its copy.
+
+    Kernels may write into a buffer without a trace: ``batch_norm`` updates the running statistics
+    in place without bumping their version counter (the schema of ``native_batch_norm`` does not
+    mark them mutable), and so does any layer built on it (an Ensemble's batched BatchNorm). So in
+    training mode a buffer's copy is returned whether or not it changed; in eval mode a buffer
+    comes back as the same object unless ``forward`` reassigned it or wrote to it with an in-place
+    op that bumps the version counter.
     """
-    paths = set()
-    for prefix, owner in module.named_modules():
-        if isinstance(owner, _NormBase) and owner.training and owner.track_running_stats:
-            dot = f"{prefix}." if prefix else ""
-            paths.update((f"{dot}running_mean", f"{dot}running_var"))
-    return paths
+    return {path for path, owner in _buffer_owners(module).items() if owner.training}
