@@ -2,14 +2,15 @@
 
 Issue 9's three targets, each timed with the ``compare`` fixture (warmed up, interleaved rounds):
 
-- ``training step: ensemble functional`` and ``training step: ensemble module``: one step
+- ``training step: ensemble ...`` (three cases, one per modstate way): one step
   (forward, backward, Adam) of 8 members ``64→128(BN)→128(BN)→10`` on a shared batch of 64, in
   train mode. Peers: a loop over 8 ordinary modules with one ``torch.optim.Adam`` over all their
   parameters (T), and ``torch.func`` (``vmap(grad(functional_call))`` with the buffers cloned
   and returned, the way ``torch.func`` must do it for train-mode BatchNorm, then
-  ``torch.optim.Adam`` on the stacked tensors). modstate is ``vmap(grad(ms.apply))`` +
-  ``ms.optim.adam`` (functional), and ``ms.Ensemble`` + ``torch.optim.Adam`` (module).
-  Targets: both ≤ 0.30 T.
+  ``torch.optim.Adam`` on the stacked tensors). modstate is functional, as ``grad`` of
+  ``ms.apply`` on an ``ms.Ensemble`` (batched kernels) or as ``vmap(grad(ms.apply))`` on one
+  member's module, each followed by ``ms.optim.adam`` on the stacked trees; or stateful, as
+  ``ms.Ensemble`` + ``torch.optim.Adam``. Targets: functional and module ≤ 0.30 T.
 - ``training step: single model``: ``grad`` of ``ms.apply`` + ``ms.optim.adam`` against the
   stateful ``loss.backward(); opt.step()``. Target ≤ 1.15×.
 - ``ensemble forward: compute-bound``: ``ms.Ensemble`` of 32 ``64→256→256→10`` on a batch of 128
@@ -116,6 +117,28 @@ def functional_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     return step, holder
 
 
+def functional_ensemble_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
+    """``grad`` of ``ms.apply`` on an ``ms.Ensemble`` (its batched kernels run every member, no
+    vmap) with the stacked trees as params and state, then ``ms.optim.adam`` on them."""
+    ensemble = ms.Ensemble(models)
+    params, state = ms.split(ensemble, detach=True)
+    opt = ms.optim.adam(lr=LR)
+    holder = {"params": params, "state": state, "opt": opt.init(params)}
+    targets = y.expand(MEMBERS, -1).reshape(-1)
+
+    def loss(p: dict, s: dict) -> tuple[torch.Tensor, dict]:
+        out, new_state = ms.apply(ensemble, p, s, x)
+        return F.cross_entropy(out.reshape(-1, 10), targets, reduction="sum") / BATCH, new_state
+
+    grads_and_state = grad(loss, has_aux=True)
+
+    def step() -> None:
+        grads, holder["state"] = grads_and_state(holder["params"], holder["state"])
+        holder["params"], holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
+
+    return step, holder
+
+
 def ensemble_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     ensemble = ms.Ensemble(models)
     opt = torch.optim.Adam(ensemble.parameters(), lr=LR)
@@ -144,6 +167,9 @@ def _check_one_step_matches_the_loop(x: torch.Tensor, y: torch.Tensor) -> None:
     step_tf()
     step_ens, ensemble = ensemble_step(members(), x, y)
     step_ens()
+    step_fe, holder_fe = functional_ensemble_step(members(), x, y)
+    step_fe()
+    got_fe = ms.flatten(ms.tree.combine(holder_fe["params"], holder_fe["state"]))
     for path, want in ms.flatten(expected).items():
         torch.testing.assert_close(ms.flatten(got)[path], want, atol=1e-5, rtol=1e-4)
         from_torch_func = params_tf.get(path, holder_tf["buffers"].get(path))
@@ -151,13 +177,26 @@ def _check_one_step_matches_the_loop(x: torch.Tensor, y: torch.Tensor) -> None:
         torch.testing.assert_close(
             ms.flatten(ms.extract(ensemble))[f"stacked.{path}"], want, atol=1e-5, rtol=1e-4
         )
+        torch.testing.assert_close(got_fe[f"stacked.{path}"], want, atol=1e-5, rtol=1e-4)
 
 
 def test_ensemble_training_step_functional(compare) -> None:
     x, y = data()
     _check_one_step_matches_the_loop(x, y)
     compare(
-        "training step: ensemble functional (8 x 64-128(BN)-128(BN)-10, batch 64)",
+        "training step: ensemble functional, grad(apply(Ensemble)) (8 x 64-128(BN)-128(BN)-10)",
+        {
+            "modstate": functional_ensemble_step(members(), x, y)[0],
+            LOOP: loop_step(members(), x, y),
+            TORCH_FUNC: torch_func_step(members(), x, y)[0],
+        },
+    )
+
+
+def test_ensemble_training_step_functional_vmap(compare) -> None:
+    x, y = data()
+    compare(
+        "training step: ensemble functional, vmap(grad(apply)) (8 x 64-128(BN)-128(BN)-10)",
         {
             "modstate": functional_step(members(), x, y)[0],
             LOOP: loop_step(members(), x, y),
