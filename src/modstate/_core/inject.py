@@ -494,7 +494,10 @@ class inject:
     tensors under ``torch.vmap`` work. On exit, also when the body raised, the module holds the very
     same objects it held before, with the same ``requires_grad``. A buffer that ``forward``
     reassigns (``self.count = self.count + 1``) is written back into ``tree``. In-place updates
-    (BatchNorm statistics) land in the tree's tensors.
+    (BatchNorm statistics) land in the tree's tensors. Tensors the module keeps as plain attributes
+    and lazy modules' class and hooks are restored too; other plain attributes that ``forward``
+    assigns (counters, a Llama dynamic RoPE's ``max_seq_len_cached``) are not, as with
+    ``torch.func.functional_call`` (see :func:`modstate.call`).
 
     ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
     shapes and dtypes; non-persistent buffers may be left out (``state_dict`` leaves them out; the
