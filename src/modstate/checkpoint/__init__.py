@@ -47,9 +47,7 @@ def save(tree: dict[str, Any], path: str | os.PathLike) -> None:
     """
     flat = _flatten(tree)
     tensors, metadata = _file.pack(flat)
-    _atomic.write_atomically(
-        path, lambda temporary: _file.write(temporary, tensors, metadata)
-    )
+    _atomic.write_atomically(path, lambda temporary: _file.write(temporary, tensors, metadata))
 
 
 def load(path: str | os.PathLike, *, device: torch.device | str | None = None) -> dict[str, Any]:
