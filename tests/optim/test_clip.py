@@ -59,3 +59,21 @@ def test_under_vmap_each_member_is_clipped_by_its_own_norm():
 def test_a_non_float_leaf_is_refused_by_path():
     with pytest.raises(TypeError, match=r"grads leaf 'a\.n' is a torch\.int64 tensor"):
         optim.clip_grad_norm({"a": {"n": torch.tensor(1)}}, max_norm=1.0)
+
+
+def test_leaves_are_taken_in_module_order_as_torch_sums_their_norms():
+    """Torch sums the norms in parameter order; a dict's insertion order, not sorted keys."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    for trial in range(50):
+        grads = {
+            name: torch.randn(p.shape) * (100.0 if name == "2.weight" else 1.0)
+            for name, p in model.named_parameters()
+        }
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        expected = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        clipped, norm = optim.clip_grad_norm(ms.unflatten(grads), max_norm=1.0)
+        assert torch.equal(norm, expected), trial
+        for name, p in model.named_parameters():
+            assert torch.equal(ms.flatten(clipped)[name], p.grad), (trial, name)
