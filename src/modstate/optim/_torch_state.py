@@ -41,6 +41,15 @@ _GROUP_PATH_KEYS = ("params", "param_names")
 
 def _group_paths(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str]]:
     """The dotted path of every parameter of every group of `optimizer`, in the group's order."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if hasattr(optimizer, "init") and hasattr(optimizer, "step"):
+            raise TypeError(
+                f"expected a torch.optim.Optimizer, got modstate's pure "
+                f"{type(optimizer).__name__}, which holds no state: its state is the tree that "
+                f"its init and step return, already keyed by parameter path; save that tree "
+                f"directly (e.g. modstate.checkpoint.save)"
+            )
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     path_of = {id(p): name for name, p in module.named_parameters()}
     result = []
     for g, group in enumerate(optimizer.param_groups):
