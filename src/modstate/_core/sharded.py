@@ -125,6 +125,8 @@ def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sha
     gives them, and every tensor its slots hold), or None if nothing in it is sharded."""
     if "torch.distributed.tensor" not in sys.modules:
         return None
+    if modules and getattr(modules[0][1], "_modstate_computes_with_dtensors", False):
+        return None  # a module whose forward takes its DTensors as they are (an Ensemble on a mesh)
     # Only the hooks themselves: the *_with_kwargs / always_called flags of a hook that is not
     # there are never read.
     hooks = [

@@ -66,6 +66,14 @@ class Ensemble(nn.Module):
     )
     """
 
+    def __new__(cls, *args: Any, mesh: Any = None, **kwargs: Any) -> Ensemble:
+        # mesh= (a 1-D DeviceMesh) makes the member-parallel form (ensemble/_sharded.py).
+        if mesh is not None and cls is Ensemble:
+            from ._sharded import MemberParallelEnsemble
+
+            cls = MemberParallelEnsemble
+        return super().__new__(cls)
+
     def __init__(
         self,
         modules: Iterable[nn.Module],
@@ -133,6 +141,10 @@ class Ensemble(nn.Module):
         >>> ens.stacked.weight.shape
         torch.Size([8, 2, 4])
         """
+        if kwargs.get("mesh") is not None and cls is Ensemble:
+            from ._sharded import MemberParallelEnsemble
+
+            return MemberParallelEnsemble.from_factory(factory, n, **kwargs)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         return cls([factory() for _ in range(n)], **kwargs)
