@@ -30,7 +30,9 @@ TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
 
 
 def factory() -> nn.Module:
-    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
 
 
 def seeded_members(count: int) -> list[nn.Module]:
@@ -165,7 +167,10 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
         torch.func.grad(lambda t: ms.call(functional, {"stacked": t}, x).sum())(trees["mesh"])
 
     # Save, then record the next step for the resumed runs to compare with.
-    training = {"model": ms.extract(ensemble), "optimizer": ms.optim.optimizer_state(adam, ensemble)}
+    training = {
+        "model": ms.extract(ensemble),
+        "optimizer": ms.optim.optimizer_state(adam, ensemble),
+    }
     checkpoint.save_distributed(training, saved / "training")
     adam_step(ensemble, adam, 99)
     after = full_tree(ensemble.tree())
