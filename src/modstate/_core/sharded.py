@@ -224,18 +224,76 @@ def check_gatherable(path: str, leaf: Any) -> None:
 
 def gathered(values: list[Any]) -> list[Any]:
     """``values`` with every ``DTensor`` replaced by its full tensor (differentiably); one gather
-    per distinct tensor, so tied leaves stay one tensor."""
-    done: dict[int, Any] = {}
-    out = []
+    per distinct tensor, so tied leaves stay one tensor. The leaves sharded on dim 0 over one
+    1-D mesh, FSDP2's layout, are gathered together in one collective."""
+    distinct: dict[int, Any] = {}
     for value in values:
         if holds_dtensor(value):
-            full = done.get(id(value))
-            if full is None:
-                full = done[id(value)] = _Gather.apply(value)
-            out.append(full)
+            distinct.setdefault(id(value), value)
+    if not distinct:
+        return values
+    batches: dict[Any, list[Any]] = {}
+    singles = []
+    for value in distinct.values():
+        inner = _innermost(value)
+        placements = inner.placements
+        if inner.device_mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0):
+            batches.setdefault((id(inner.device_mesh), inner.dtype, inner.device), []).append(value)
         else:
-            out.append(value)
-    return out
+            singles.append(value)
+    full: dict[int, Tensor] = {}
+    for batch in batches.values():
+        if len(batch) == 1:
+            singles += batch
+            continue
+        for value, whole in zip(batch, _GatherRows.apply(*batch)):
+            full[id(value)] = whole
+    for value in singles:
+        full[id(value)] = _Gather.apply(value)
+    return [full.get(id(value), value) if isinstance(value, Tensor) else value for value in values]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Full tensors of several ``DTensor`` s sharded on dim 0 over one 1-D mesh, in one
+    all-gather (each rank's rows padded to the same count, as FSDP2 does); backward hands each
+    rank its rows of every gradient, without communication."""
+
+    @staticmethod
+    def forward(*tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        mesh = tensors[0].device_mesh
+        ranks = mesh.size()
+        rows = [-(-t.shape[0] // ranks) for t in tensors]  # rows per rank, as torch.chunk
+        pieces = []
+        for t, count in zip(tensors, rows):
+            local = t.to_local()
+            if local.shape[0] < count:
+                padding = local.new_zeros((count - local.shape[0], *local.shape[1:]))
+                local = torch.cat([local, padding])
+            pieces.append(local.reshape(-1))
+        send = torch.cat(pieces)
+        receive = send.new_empty(ranks * send.numel())
+        dist.all_gather_into_tensor(receive, send, group=mesh.get_group())
+        receive = receive.view(ranks, send.numel())
+        out, offset = [], 0
+        for t, piece, count in zip(tensors, pieces, rows):
+            block = receive[:, offset : offset + piece.numel()]
+            out.append(block.reshape(ranks * count, *t.shape[1:])[: t.shape[0]].clone())
+            offset += piece.numel()
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        inner = [_innermost(t) for t in inputs]
+        ctx.specs = [(t.device_mesh, t.placements) for t in inner]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return tuple(
+            None if grad is None else piece_of(grad, mesh, placements)
+            for grad, (mesh, placements) in zip(grads, ctx.specs)
+        )
 
 
 def loadable(currents: list[Any], values: list[Any]) -> list[Any]:
