@@ -52,6 +52,11 @@ class Ensemble(nn.Module):
     hooks of its own runs under vmap, so that its hooks run; the plan is made once, when the
     ensemble is built (global module hooks are not seen by the batched kernels).
 
+    ``mesh=`` (a 1-D ``DeviceMesh``) spreads the members over its ranks: the stacked tensors are
+    ``DTensor`` s sharded on the member dim, each rank builds and runs only its members, and
+    ``from_factory`` builds member ``i`` under ``torch.manual_seed(i)`` (see
+    :class:`~modstate.ensemble._sharded.MemberParallelEnsemble`).
+
     >>> import torch, modstate as ms
     >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Sequential(
     ...     torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)), 5)
