@@ -102,6 +102,7 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
     assert torch.equal(torch.get_rng_state(), before)
     reference = ms.Ensemble(seeded_members(MEMBERS))
     assert isinstance(ensemble, ms.Ensemble) and len(ensemble) == MEMBERS
+    assert f"members=8 over 2 ranks, here {4 * rank}..{4 * rank + 3}" in repr(ensemble)
 
     # The state: DTensors sharded on the member dim, this rank holding its 4 members.
     for path, leaf in ms.flatten(ensemble.tree()).items():
@@ -125,7 +126,8 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
     want = ms.Ensemble(seeded_members(MEMBERS), in_dims=0)(per_member)
     assert torch.allclose(by_member(per_member).full_tensor(), want, **TOLERANCE)
 
-    # Uneven: 3 members over 2 ranks split 2 + 1; a rank without members is refused.
+    # Uneven: 3 members over 2 ranks split 2 + 1 (the fix the refusal below names: a count that
+    # leaves every rank a member); a rank without members is refused.
     uneven = ms.Ensemble.from_factory(factory, 3, mesh=mesh)
     assert uneven.stacked.get_submodule("0").weight.to_local().shape[0] == (2, 1)[rank]
     assert torch.allclose(uneven(x).full_tensor(), ms.Ensemble(seeded_members(3))(x), **TOLERANCE)

@@ -213,15 +213,6 @@ def _dtensor_around(local: Tensor, mesh: Any, placements: Any, shape: Any, strid
     return DTensor(local, spec, requires_grad=False)
 
 
-def check_gatherable(path: str, leaf: Any) -> None:
-    """Refuse, naming the path, a leaf that a stateless call cannot gather."""
-    if is_dtensor(leaf) and any(p.is_partial() for p in leaf.placements):
-        raise ValueError(
-            f"{path!r}: a DTensor with a Partial placement (pending reduction); "
-            "redistribute it to Shard or Replicate first"
-        )
-
-
 def gathered(values: list[Any]) -> list[Any]:
     """``values`` with every ``DTensor`` replaced by its full tensor (differentiably); one gather
     per distinct tensor, so tied leaves stay one tensor. The leaves sharded on dim 0 over one
