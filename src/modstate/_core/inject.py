@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from .flat import Tree, is_subtree, unflatten
-from .hooks import LoadPlan, plan_load, run_overridden_loads
+from .hooks import Assignment, LoadPlan, plan_load, run_overridden_loads
 from .sharded import Sharding, gathered, loadable
 from .walk import Anatomy, ModuleGuard, anatomy_of, forget
 
@@ -224,12 +224,13 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
             given[i] = (first, node, key)
 
     if strict and len(given) < len(slots):
-        missing = [slot.path for i, slot in enumerate(slots) if i not in given]
-        shown = ", ".join(repr(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise KeyError(
-            f"the tree has no tensor for {shown} ({len(missing)} missing); pass strict=False to "
-            "keep the module's own tensors there"
-        )
+        # Non-persistent buffers are not part of a checkpoint (state_dict leaves them out): a
+        # tree with state_dict's keys is complete, and the module keeps its own there.
+        missing = [slot.path for i, slot in enumerate(slots) if i not in given and slot.persistent]
+    else:
+        missing = []
+    if missing:
+        raise MissingPaths(missing, "pass strict=False to keep the module's own tensors there")
 
     order = sorted(given)
     tables = [slots[i].table for i in order]
@@ -251,9 +252,24 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
     )
 
 
+class MissingPaths(KeyError):
+    """A strict tree that leaves out some of the module's paths; ``paths`` lists them all."""
+
+    def __init__(self, paths: list[str], fix: str) -> None:
+        self.paths = paths
+        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+        super().__init__(f"the tree has no tensor for {shown} ({len(paths)} missing); {fix}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def leaves_of(tree: TreeArg) -> Iterator[tuple[str, Any, Any, str]]:
     """``(path, leaf, node, key)`` for every leaf of a tree or of several trees, ``node[key]``
-    being where the leaf sits; refuses anything else, and a path given by two trees."""
+    being where the leaf sits; refuses anything else, and a path given by two trees.
+
+    A None leaf is a hole: the path is not given by this tree (the halves that
+    ``modstate.tree.partition`` makes hold None where a leaf went to the other half)."""
     if isinstance(tree, (tuple, list)):
         seen: set[str] = set()
         for component in tree:
@@ -285,7 +301,7 @@ def _leaves_with_parents(
             )
         if is_subtree(key, value):
             yield from _leaves_with_parents(value, f"{prefix}{key}.")
-        else:
+        elif value is not None:
             yield prefix + key, value, tree, key
 
 
@@ -410,11 +426,39 @@ def prepare_hooked(
     guard = ModuleGuard(anatomy.guarded)
     try:
         plan = plan_load(module, flat, strict=strict, in_place=in_place)
+        _fill_ties(anatomy, plan)
         _judge(plan, strict, check_dtypes=strict and not in_place)
     except BaseException:
         guard.restore()
         raise
     return plan, guard
+
+
+def _fill_ties(anatomy: Anatomy, plan: LoadPlan) -> None:
+    """A tied path that the tree leaves out gets its group's tensor, and is not missing.
+
+    Files written by ``save_pretrained`` or ``safetensors.torch.save_model`` hold each tie group
+    once; ``load_state_dict`` would call the other paths missing, and filling only the given one
+    would untie the group while it is injected."""
+    if not anatomy.tie_groups or not plan.missing:
+        return
+    given = {a.key: a for a in plan.assignments}
+    missing = set(plan.missing)
+    filled = set()
+    for group in anatomy.tie_groups:
+        paths = [anatomy.slots[i].path for i in group]
+        source = next((given[p] for p in paths if p in given), None)
+        if source is None:
+            continue
+        for i in group:
+            slot = anatomy.slots[i]
+            if slot.path in missing:
+                plan.assignments.append(
+                    Assignment(slot.table, slot.name, slot.path, source.value, slot.is_buffer)
+                )
+                filled.add(slot.path)
+    if filled:
+        plan.missing[:] = [key for key in plan.missing if key not in filled]
 
 
 def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
@@ -453,7 +497,8 @@ class inject:
     (BatchNorm statistics) land in the tree's tensors.
 
     ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
-    shapes and dtypes. ``strict=False``: a partial tree (missing paths keep the module's tensors),
+    shapes and dtypes; non-persistent buffers may be left out (``state_dict`` leaves them out; the
+    module keeps its own there), and so may the other paths of a tie group given once. ``strict=False``: a partial tree (missing paths keep the module's tensors),
     other shapes and dtypes. Unknown paths are always an error; a refused tree changes nothing.
     Where the module holds one tensor at several paths (tied weights), one path sets them all;
     giving different tensors at two of them is an error. The tensor at the first of the paths (in
