@@ -219,10 +219,50 @@ def check_layout(name: str, build, mesh) -> None:
         assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
 
 
+def with_batchnorm(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def check_apply_in_train_mode(mesh) -> None:
+    """apply (the pure stateful call) on FSDP2 per layer, BatchNorm in train mode: outputs, new
+    statistics and torch.func.grad gradients of the unsharded model; nothing passed in mutated."""
+    sharded, reference = with_batchnorm(0), with_batchnorm(0)
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded[3], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    params, state = ms.split(sharded, detach=True)
+    params = perturbed(params)
+    assert all(isinstance(leaf, DTensor) for leaf in ms.flatten(params).values())
+    before = ms.tree.clone(state)
+    x = batch(7, rows=6)
+
+    def loss(params, state, model):
+        out, new_state = ms.apply(model, params, state, x)
+        return out.pow(2).sum(), new_state
+
+    grads, new_state = torch.func.grad(loss, has_aux=True)(params, state, sharded)
+    want_grads, want_state = torch.func.grad(loss, has_aux=True)(full(params), state, reference)
+    for path, g in ms.flatten(grads).items():
+        assert g.placements == ms.flatten(params)[path].placements, path
+        assert close(g.full_tensor(), ms.flatten(want_grads)[path]), path
+    for path, value in ms.flatten(want_state).items():
+        assert torch.allclose(ms.flatten(new_state)[path].double(), value.double()), path
+    assert not close(new_state["1"]["running_mean"], before["1"]["running_mean"])
+    for path, value in ms.flatten(before).items():  # nothing passed in was mutated
+        assert torch.equal(ms.flatten(state)[path], value), path
+        assert torch.equal(ms.flatten(ms.extract(sharded))[path], value), path
+    sgd_step(sharded, batch(8, rows=6))  # trains as usual afterwards
+    sgd_step(reference, batch(8, rows=6))
+    sharded.eval(), reference.eval()
+    assert close(local_output(sharded, x), reference(x))
+
+
 def every_layout(rank: int, world_size: int) -> list[str]:
     mesh = init_device_mesh("cpu", (world_size,))
     for name, build in LAYOUTS.items():
         check_layout(name, build, mesh)
+    check_apply_in_train_mode(mesh)
     return list(LAYOUTS)
 
 
