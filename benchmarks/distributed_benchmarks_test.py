@@ -229,7 +229,7 @@ def test_member_parallel_training_step(benchmark, two_ranks):
     )
     _say(
         f"training step: 2 ranks x 1 thread {stats['modstate']['median'] * 1e3:.2f} ms, "
-        f"1 process x 2 threads {stats['baseline: 1 process, 2 threads']['median'] * 1e3:.2f} ms "
+        f"1 process x 2 threads {stats['ms.Ensemble: 1 process, 2 threads']['median'] * 1e3:.2f} ms "
         "(not interleaved; a correctness-of-scaling check on this 2-core machine)"
     )
 
