@@ -16,7 +16,7 @@ from _ranks import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import modstate as ms
@@ -186,6 +186,21 @@ def check_layout(name: str, build, mesh) -> None:
         assert "bias" in str(error) and "shape" in str(error), error
     else:
         raise AssertionError(f"{name}: a wrongly shaped leaf was accepted")
+    assert hook_tables(sharded) == hooks, name
+    # ... nor does a pending sum (Partial), which the message says how to redistribute.
+    flat = dict(ms.flatten(changed))
+    path = next(iter(flat))
+    leaf = flat[path]
+    pieces = leaf.full_tensor() / leaf.device_mesh.size()  # they sum to the leaf
+    flat[path] = DTensor.from_local(pieces, leaf.device_mesh, [Partial()])
+    try:
+        ms.call(sharded, ms.unflatten(flat), x)
+    except ValueError as error:
+        assert path in str(error) and "Partial" in str(error), error
+    else:
+        raise AssertionError(f"{name}: a Partial leaf was accepted")
+    flat[path] = flat[path].redistribute(placements=leaf.placements)  # the fix named
+    assert close(ms.call(sharded, ms.unflatten(flat), x), want), name
     assert hook_tables(sharded) == hooks, name
 
     # load copies in place (identity kept), from DTensors or from full tensors.

@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from .flat import Tree, is_subtree, unflatten
 from .hooks import Assignment, LoadPlan, plan_load, run_overridden_loads
-from .sharded import Sharding, gathered, loadable
+from .sharded import Sharding, gathered, loadable, partial_leaf
 from .walk import Anatomy, ModuleGuard, anatomy_of, forget
 
 _is = operator.is_
@@ -152,6 +152,16 @@ def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = F
     if prepared is None:
         prepared = _prepare_by_path(anatomy, tree, strict)
     if compute and anatomy.sharding is not None:
+        partial = partial_leaf(prepared.values)
+        if partial is not None:
+            table, name = prepared.tables[partial], prepared.names[partial]
+            path = next(s.path for s in anatomy.slots if s.table is table and s.name == name)
+            raise ValueError(
+                f"{path!r}: a DTensor with a Partial placement (a pending sum); a call on a "
+                "sharded module gathers the tree and gives gradients back piece by piece, which "
+                "a pending sum has not: redistribute it first (leaf.redistribute(placements="
+                "[Replicate()]) or the module's own placements)"
+            )
         return UnshardedSwap(prepared, anatomy.sharding)
     return prepared
 

@@ -213,6 +213,15 @@ def _dtensor_around(local: Tensor, mesh: Any, placements: Any, shape: Any, strid
     return DTensor(local, spec, requires_grad=False)
 
 
+def partial_leaf(values: list[Any]) -> int | None:
+    """The index of the first value that is a ``DTensor`` with a ``Partial`` placement (a pending
+    sum, which has no piece of a gradient to give back), or None."""
+    for index, value in enumerate(values):
+        if holds_dtensor(value) and any(p.is_partial() for p in _innermost(value).placements):
+            return index
+    return None
+
+
 def gathered(values: list[Any]) -> list[Any]:
     """``values`` with every ``DTensor`` replaced by its full tensor (differentiably); one gather
     per distinct tensor, so tied leaves stay one tensor. The leaves sharded on dim 0 over one
