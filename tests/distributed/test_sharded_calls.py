@@ -187,6 +187,14 @@ def check_layout(name: str, build, mesh) -> None:
     else:
         raise AssertionError(f"{name}: a wrongly shaped leaf was accepted")
     assert hook_tables(sharded) == hooks, name
+    # ... nor does the state_dict route, whose tensors the forward hooks would not see.
+    try:
+        with ms.inject(sharded, changed, use_state_dict=True):
+            raise AssertionError(f"{name}: inject(use_state_dict=True) was accepted")
+    except ValueError as error:
+        assert "use_state_dict" in str(error), error
+    with ms.inject(sharded, changed):  # the fix named
+        assert close(sharded(x), want), name
     # ... nor does a pending sum (Partial), which the message says how to redistribute.
     flat = dict(ms.flatten(changed))
     path = next(iter(flat))

@@ -546,6 +546,9 @@ class inject:
         if self._swap is not None:
             raise RuntimeError("this inject(...) block is already active; make a new one")
         if self._use_state_dict:
+            sharding = anatomy_of(self._module).sharding
+            if sharding is not None:
+                sharding.refuse_state_dict_route("inject")
             plan, guard = prepare_hooked(self._module, self._tree, self._strict, in_place=False)
             swap: Swap = HookedSwap(plan, self._tree, guard)
         else:

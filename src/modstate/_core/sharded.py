@@ -119,6 +119,16 @@ class Sharding:
                     "kept), or ms.inject / ms.call to compute with another tree"
                 )
 
+    def refuse_state_dict_route(self, operation: str) -> None:
+        """Refuse ``use_state_dict=True`` for a computing swap: that route swaps the tensors in
+        as they are, which the parallelism's forward hooks would replace or misread."""
+        raise ValueError(
+            f"{operation}(..., use_state_dict=True) on a module sharded with FSDP2 or tensor "
+            f"parallel is not supported: the module's forward hooks would not compute with the "
+            f"tree; use {operation}(...) without use_state_dict (the tree's paths are the "
+            "module's own, as extract gives them)"
+        )
+
 
 def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sharding | None:
     """The :class:`Sharding` of a module tree (``(path, module)`` pairs as ``named_modules``
