@@ -618,11 +618,15 @@ def load(
         plan, _ = prepare_hooked(module, tree, strict, in_place=True)
         currents = [a.current for a in plan.assignments]
         values = [a.value for a in plan.assignments]
+        tables, names = [a.table for a in plan.assignments], [a.name for a in plan.assignments]
     else:
         prepared = prepare(module, tree, strict)
         _check_copyable(module, prepared)
         currents, values, plan = prepared.olds, prepared.values, None
-    if anatomy_of(module).sharding is not None:
+        tables, names = prepared.tables, prepared.names
+    sharding = anatomy_of(module).sharding
+    if sharding is not None:
+        sharding.check_loadable(tables, names)
         values = loadable(currents, values)
     _copy(currents, values)
     if plan is not None:

@@ -119,6 +119,21 @@ class Sharding:
                     "kept), or ms.inject / ms.call to compute with another tree"
                 )
 
+    def check_loadable(self, tables: list[dict[str, Any]], names: list[str]) -> None:
+        """Refuse, naming the path, an in-place load into parameters that FSDP2 holds gathered
+        (between forward and backward): FSDP reshards from its own shards, so it would be lost."""
+        for table, name in zip(tables, names):
+            owner = self.fsdp_owned.get(id(table))
+            if owner is not None and not is_dtensor(table.get(name)):
+                path = f"{owner[0]}.{name}" if owner[0] else name
+                fsdp_path = owner[1] or "the root module"
+                raise ValueError(
+                    f"{path!r}: {fsdp_path!r} (FSDP2) holds its gathered parameters now (after a "
+                    "forward whose backward has not run, or with reshard_after_forward=False), "
+                    "and reshards from its own shards, so a load into them would be lost; call "
+                    "reshard() on that module (or finish the backward) first"
+                )
+
     def refuse_state_dict_route(self, operation: str) -> None:
         """Refuse ``use_state_dict=True`` for a computing swap: that route swaps the tensors in
         as they are, which the parallelism's forward hooks would replace or misread."""
