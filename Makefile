@@ -7,10 +7,10 @@ test:
 	python -m pytest
 
 lint:
-	python -m ruff check src tests benchmarks docs/_tools && python -m ruff format --check src tests benchmarks docs/_tools
+	python -m ruff check src tests benchmarks docs/_tools .ci/typecheck.py && python -m ruff format --check src tests benchmarks docs/_tools .ci/typecheck.py
 
 format:
-	python -m ruff format src tests benchmarks docs/_tools
+	python -m ruff format src tests benchmarks docs/_tools .ci/typecheck.py
 
 # The API reference site, into site/ (needs the docs extra: pip install -e ".[docs]").
 docs:

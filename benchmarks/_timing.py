@@ -14,9 +14,11 @@ min over rounds, with the interquartile range as the spread.
 from __future__ import annotations
 
 import gc
+import importlib
 import statistics
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 Impl = Callable[[], Any]
@@ -87,3 +89,12 @@ def summarize(samples: list[float]) -> dict[str, float]:
         "q3": q3,
         "rounds": len(ordered),
     }
+
+
+def optional(module: str) -> ModuleType | None:
+    """A peer's package, or None when it is not installed: leave its entry out and name it in
+    ``compare(..., missing=[...])``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +37,29 @@ def compare(benchmark) -> Callable[..., dict[str, dict[str, float]] | None]:
     stores each one's median, min and interquartile range in the benchmark's
     ``extra_info["interleaved"]``, which ``python -m modstate bench`` reads. Exactly one impl is
     ``"modstate"``; an impl starting with ``"baseline"`` is the work every implementation does
-    anyway. Under ``--benchmark-disable`` (the CI smoke run) every fn runs once, untimed.
+    anyway. ``missing`` names peers that could not run here (not installed, see `optional`):
+    the report lists them. Under ``--benchmark-disable`` (the CI smoke run) every fn runs once,
+    untimed.
     """
 
-    def run(case: str, impls: dict[str, Callable[[], Any]], *, rounds: int | None = None):
+    def run(
+        case: str,
+        impls: dict[str, Callable[[], Any]],
+        *,
+        rounds: int | None = None,
+        missing: Iterable[str] = (),
+    ):
         if "modstate" not in impls:
             raise ValueError(f"{case}: no 'modstate' entry among {sorted(impls)}")
         benchmark.group = case
         benchmark.extra_info["impl"] = "modstate"
+        if missing:
+            benchmark.extra_info["missing"] = list(missing)
         if benchmark.disabled:
-            for fn in impls.values():
-                fn()
+            for impl, fn in impls.items():
+                if impl != "modstate":
+                    fn()
+            benchmark(impls["modstate"])  # runs it once, untimed
             return None
         count = rounds if rounds is not None else (5 if QUICK else 15)
         samples = interleave(impls, rounds=count, warmup_s=0.05 if QUICK else 0.3)

@@ -15,13 +15,16 @@ ReLU()) x 4)``, ``x = randn(1, 1, 64)``) and transformer case (two copies of
 dim_feedforward=64)``, ``x = randn(1, 20, 64)``), and the issue's compute-bound (32 MLPs
 64→256→256→10, batch 128) and overhead-bound (100 MLPs 3→4→4→1, batch 2) cases.
 
-Ratios: ``python -m pytest benchmarks/ensemble_benchmarks_test.py --benchmark-json=out.json``
-and compare each group's ``modstate`` min with its peers'.
+Each case is one test timed with the ``compare`` fixture: every implementation is checked
+against the Ensemble's output, warmed up, then timed in interleaved rounds (first-timed variants
+are slow on a busy machine; interleaving spreads that over all of them). tensordict entries are
+left out, and listed by the report, when tensordict is not installed.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state
 
 import modstate as ms
+from _timing import optional
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,6 @@ class Case:
     build: Callable[[], nn.Module]
     count: int
     input: Callable[[], torch.Tensor]
-    rounds: int
-    iterations: int
     identical: bool = False  # tensordict's cases: one model, stacked with a copy of itself
     two_inputs: bool = False  # nn.Transformer takes (src, tgt)
     mlp: bool = True  # a Linear/ReLU stack, so the baddbmm chain applies
@@ -61,8 +63,6 @@ CASES = [
         lambda: mlp(64, 64, 64, 64, 64, last_activation=True),
         2,
         lambda: torch.randn(1, 1, 64),
-        rounds=300,
-        iterations=10,
         identical=True,
     ),
     Case(
@@ -72,8 +72,6 @@ CASES = [
         ),
         2,
         lambda: torch.randn(1, 20, 64),
-        rounds=10,
-        iterations=1,
         identical=True,
         two_inputs=True,
         mlp=False,
@@ -83,18 +81,15 @@ CASES = [
         lambda: mlp(64, 256, 256, 10),
         32,
         lambda: torch.randn(128, 64),
-        rounds=20,
-        iterations=1,
     ),
     Case(
         "ensemble: overhead-bound (100 MLPs 3-4-4-1, batch 2)",
         lambda: mlp(3, 4, 4, 1),
         100,
         lambda: torch.randn(2, 3),
-        rounds=300,
-        iterations=10,
     ),
 ]
+tensordict = optional("tensordict")
 IMPLS = [
     "modstate",
     "torch.func.functional_call",
@@ -130,7 +125,7 @@ def runner(impl: str, case: Case, models: list[nn.Module]) -> Callable[[torch.Te
         vmapped = torch.vmap(member, in_dims=(0, 0, None))
         return lambda x: vmapped(params, buffers, x)
     if impl in ("tensordict", "tensordict expand"):
-        tensordict = pytest.importorskip("tensordict")
+        assert tensordict is not None
         if impl == "tensordict":
             params = tensordict.TensorDict.from_modules(*models)
         else:  # tensordict's other variant: one model's state expanded to N members
@@ -181,29 +176,30 @@ def next_of(modules: list[nn.Module], i: int) -> nn.Module | None:
     return modules[i + 1] if i + 1 < len(modules) else None
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+def applies(impl: str, case: Case) -> bool:
+    if impl.startswith("baddbmm chain"):
+        return case.mlp  # the hand-written chain covers Linear/ReLU stacks only
+    if impl == "tensordict expand":
+        return case.identical  # one model's state expanded: tensordict's cases only
+    return True
+
+
 @pytest.mark.parametrize(
     "case", CASES, ids=lambda c: c.name.split(" (")[0].removeprefix("ensemble: ")
 )
-def test_ensemble_forward(benchmark, case: Case, impl: str) -> None:
-    if impl.startswith("baddbmm chain") and not case.mlp:
-        pytest.skip("the hand-written chain covers Linear/ReLU stacks only")
-    if impl == "tensordict expand" and not case.identical:
-        pytest.skip("expanding one model's state applies to tensordict's cases (identical members)")
+def test_ensemble_forward(compare, case: Case) -> None:
     models = models_of(case)
     torch.manual_seed(1)
     x = case.input()
-    run = runner(impl, case, models)
+    wanted = [impl for impl in IMPLS if applies(impl, case)]
+    missing = [impl for impl in wanted if impl.startswith("tensordict") and tensordict is None]
+    impls = {}
     with torch.no_grad():
-        if impl != "modstate":
-            expected = ms.Ensemble(models)(*(x,) * (2 if case.two_inputs else 1))
+        expected = ms.Ensemble(models)(*(x,) * (2 if case.two_inputs else 1))
+        for impl in wanted:
+            if impl in missing:
+                continue
+            run = runner(impl, case, models)
             torch.testing.assert_close(run(x), expected, atol=1e-4, rtol=1e-4)
-        benchmark.group = case.name
-        benchmark.extra_info["impl"] = impl
-        benchmark.pedantic(
-            run,
-            args=(x,),
-            rounds=case.rounds,
-            iterations=case.iterations,
-            warmup_rounds=max(2, case.rounds // 5),
-        )
+            impls[impl] = functools.partial(run, x)
+        compare(case.name, impls, missing=missing)

@@ -9,7 +9,10 @@ The cases and test names follow tensordict's own ``benchmarks/common/pytree_benc
   num_decoder_layers=2, dim_feedforward=64)`` parameter trees stacked leaf by leaf and reshaped
   to batch ``[2, 2]`` (64 leaves, 2.2 MB).
 
-Each test's group is ``"<op> (<tree>)"``; ``extra_info["impl"]`` names the implementation.
+Each test is one case, ``"<op> (<tree>)"``, timed with the ``compare`` fixture (every
+implementation warmed up, then timed in interleaved rounds) after checking that each
+implementation gives the same answer. TensorDict is left out (and listed by the report) when
+tensordict is not installed.
 
 The suite runs torch on one thread. Every implementation runs the same tensor ops, so this does
 not change what is compared; but on a shared machine an op that splits a large leaf across
@@ -18,6 +21,9 @@ OpenMP threads waits for a busy core, and those millisecond stalls swamp microse
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -25,6 +31,7 @@ from torch.utils._pytree import tree_map
 
 import modstate as ms
 import modstate.tree
+from _timing import optional
 
 TREES = ["small", "large"]
 # (batch size after merging the two batch dims, split sections along dim 0) per tree
@@ -32,6 +39,9 @@ MERGED = {"small": 12, "large": 4}
 SECTIONS = {"small": [1, 2], "large": [1, 1]}
 # a leaf the tests check their outputs at
 PROBE = {"small": ("c",), "large": ("encoder", "norm", "weight")}
+
+tensordict = optional("tensordict")
+MISSING = () if tensordict else ("tensordict",)
 
 
 def _small_tree() -> dict:
@@ -81,138 +91,84 @@ def _at(tree, name):
     return tree
 
 
-def _tag(benchmark, op: str, tree_name: str, impl: str) -> None:
-    benchmark.group = f"{op} ({tree_name})"
-    benchmark.extra_info["impl"] = impl
+def _td(name: str, tree: dict) -> Any:
+    return tensordict.TensorDict(tree, batch_size=[2, 2] if name == "large" else [3, 4])
 
 
-@pytest.fixture
-def nested_td(case):
-    tensordict = pytest.importorskip("tensordict")
-    name, tree = case
-    return name, tensordict.TensorDict(tree, batch_size=[2, 2] if name == "large" else [3, 4])
+def _count(out: Any, name: str) -> int:
+    """How many pieces: a list of trees (modstate, tensordict) or a tree of tuples (tree_map)."""
+    return len(out) if isinstance(out, (list, tuple)) else len(_at(out, name))
 
 
-# reshape
+def _run(compare, op: str, name: str, impls: dict[str, Callable[[], Any]], check) -> None:
+    """Check every implementation's answer with ``check(out)``, then time them together."""
+    for impl, fn in impls.items():
+        assert check(fn()), f"{op} ({name}): {impl} gave a wrong answer"
+    compare(f"{op} ({name})", impls, missing=MISSING)
 
 
-def test_reshape_pytree(benchmark, case):
-    name, tree = case
-    size = MERGED[name]
-    _tag(benchmark, "reshape", name, "torch.utils._pytree")
-    out = benchmark(tree_map, lambda x: x.reshape(size, *x.shape[2:]), tree)
-    assert _at(out, name).shape[0] == size
-
-
-def test_reshape_td(benchmark, nested_td):
-    name, td = nested_td
-    _tag(benchmark, "reshape", name, "tensordict")
-    out = benchmark(td.reshape, MERGED[name])
-    assert out.batch_size == torch.Size([MERGED[name]])
-
-
-def test_reshape_modstate(benchmark, case):
-    name, tree = case
-    _tag(benchmark, "reshape", name, "modstate")
-    out = benchmark(ms.tree.reshape, tree, MERGED[name], batch_ndim=2)
-    assert _at(out, name).shape[0] == MERGED[name]
-
-
-# view
-
-
-def test_view_pytree(benchmark, case):
+def test_reshape(compare, case):
     name, tree = case
     size = MERGED[name]
-    _tag(benchmark, "view", name, "torch.utils._pytree")
-    out = benchmark(tree_map, lambda x: x.view(size, *x.shape[2:]), tree)
-    assert _at(out, name).shape[0] == size
+    impls: dict[str, Callable[[], Any]] = {
+        "modstate": lambda: ms.tree.reshape(tree, size, batch_ndim=2),
+        "torch.utils._pytree": lambda: tree_map(lambda x: x.reshape(size, *x.shape[2:]), tree),
+    }
+    if tensordict:
+        td = _td(name, tree)
+        impls["tensordict"] = lambda: td.reshape(size)
+    _run(compare, "reshape", name, impls, lambda out: _at(out, name).shape[0] == size)
 
 
-def test_view_td(benchmark, nested_td):
-    name, td = nested_td
-    _tag(benchmark, "view", name, "tensordict")
-    out = benchmark(td.view, MERGED[name])
-    assert out.batch_size == torch.Size([MERGED[name]])
-
-
-def test_view_modstate(benchmark, case):
+def test_view(compare, case):
     name, tree = case
-    _tag(benchmark, "view", name, "modstate")
-    out = benchmark(ms.tree.view, tree, MERGED[name], batch_ndim=2)
-    assert _at(out, name).data_ptr() == _at(tree, name).data_ptr()
+    size = MERGED[name]
+    impls: dict[str, Callable[[], Any]] = {
+        "modstate": lambda: ms.tree.view(tree, size, batch_ndim=2),
+        "torch.utils._pytree": lambda: tree_map(lambda x: x.view(size, *x.shape[2:]), tree),
+    }
+    if tensordict:
+        td = _td(name, tree)
+        impls["tensordict"] = lambda: td.view(size)
+    probe = _at(tree, name).data_ptr()
+    _run(compare, "view", name, impls, lambda out: _at(out, name).data_ptr() == probe)
 
 
-# unbind
-
-
-def test_unbind_pytree(benchmark, case):
+def test_unbind(compare, case):
     name, tree = case
-    _tag(benchmark, "unbind", name, "torch.utils._pytree")
-    out = benchmark(tree_map, lambda x: x.unbind(0), tree)
-    assert len(_at(out, name)) == _at(tree, name).shape[0]
+    count = _at(tree, name).shape[0]
+    impls: dict[str, Callable[[], Any]] = {
+        "modstate": lambda: ms.tree.unbind(tree, 0),
+        "torch.utils._pytree": lambda: tree_map(lambda x: x.unbind(0), tree),
+    }
+    if tensordict:
+        td = _td(name, tree)
+        impls["tensordict"] = lambda: td.unbind(0)
+    # a list of trees (modstate, tensordict) or a tree of tuples (tree_map)
+    _run(compare, "unbind", name, impls, lambda out: _count(out, name) == count)
 
 
-def test_unbind_td(benchmark, nested_td):
-    name, td = nested_td
-    _tag(benchmark, "unbind", name, "tensordict")
-    out = benchmark(td.unbind, 0)
-    assert len(out) == td.batch_size[0]
-
-
-def test_unbind_modstate(benchmark, case):
-    name, tree = case
-    _tag(benchmark, "unbind", name, "modstate")
-    out = benchmark(ms.tree.unbind, tree, 0)
-    assert len(out) == _at(tree, name).shape[0]
-
-
-# split
-
-
-def test_split_pytree(benchmark, case):
+def test_split(compare, case):
     name, tree = case
     sections = SECTIONS[name]
-    _tag(benchmark, "split", name, "torch.utils._pytree")
-    out = benchmark(tree_map, lambda x: x.split(sections, 0), tree)
-    assert len(_at(out, name)) == len(sections)
+    impls: dict[str, Callable[[], Any]] = {
+        "modstate": lambda: ms.tree.split(tree, sections, 0),
+        "torch.utils._pytree": lambda: tree_map(lambda x: x.split(sections, 0), tree),
+    }
+    if tensordict:
+        td = _td(name, tree)
+        impls["tensordict"] = lambda: td.split(sections, 0)
+    _run(compare, "split", name, impls, lambda out: _count(out, name) == len(sections))
 
 
-def test_split_td(benchmark, nested_td):
-    name, td = nested_td
-    sections = SECTIONS[name]
-    _tag(benchmark, "split", name, "tensordict")
-    out = benchmark(td.split, sections, 0)
-    assert len(out) == len(sections)
-
-
-def test_split_modstate(benchmark, case):
+def test_add(compare, case):
     name, tree = case
-    sections = SECTIONS[name]
-    _tag(benchmark, "split", name, "modstate")
-    out = benchmark(ms.tree.split, tree, sections, 0)
-    assert len(out) == len(sections)
-
-
-# add
-
-
-def test_add_pytree(benchmark, case):
-    name, tree = case
-    _tag(benchmark, "add", name, "torch.utils._pytree")
-    out = benchmark(tree_map, lambda x: x + 1, tree)
-    assert torch.equal(_at(out, name), _at(tree, name) + 1)
-
-
-def test_add_td(benchmark, nested_td):
-    name, td = nested_td
-    _tag(benchmark, "add", name, "tensordict")
-    out = benchmark(td.apply, lambda x: x + 1)
-    assert torch.equal(_at(out, name), _at(td, name) + 1)
-
-
-def test_add_modstate(benchmark, case):
-    name, tree = case
-    _tag(benchmark, "add", name, "modstate")
-    out = benchmark(ms.tree.add, tree, 1)
-    assert torch.equal(_at(out, name), _at(tree, name) + 1)
+    expected = _at(tree, name) + 1
+    impls: dict[str, Callable[[], Any]] = {
+        "modstate": lambda: ms.tree.add(tree, 1),
+        "torch.utils._pytree": lambda: tree_map(lambda x: x + 1, tree),
+    }
+    if tensordict:
+        td = _td(name, tree)
+        impls["tensordict"] = lambda: td.apply(lambda x: x + 1)
+    _run(compare, "add", name, impls, lambda out: torch.equal(_at(out, name), expected))

@@ -23,6 +23,11 @@ class Package:
     subpackages: tuple[str, ...]  # full names of its public sub-modules
 
     @property
+    def subpackages_short(self) -> tuple[str, ...]:
+        """Sub-package names as ``__all__`` lists them (``"tree"``)."""
+        return tuple(name.rsplit(".", 1)[1] for name in self.subpackages)
+
+    @property
     def page(self) -> str:
         """The page's path in the site's source, such as ``reference/modstate.tree.md``."""
         return f"reference/{self.name}.md"

@@ -74,28 +74,66 @@ def test_build_report_notes_what_it_cannot_pair():
     assert "two entries for 'modstate'" in report.build_report(duplicate).notes[0]
 
 
-def test_format_table_is_side_by_side_with_ratios_and_notes():
+def test_format_table_puts_each_case_over_its_implementations_in_100_columns():
     skips = [
         report.Skip("pytree_benchmarks_test::test_add_td[small]", "could not import 'tensordict'")
     ]
+    long_case = {
+        "benchmarks": [
+            bench("a", "x" * 150, "modstate", 1e-3),
+            bench("b", "x" * 150, "a peer with a very long name " * 3, 2e-3),
+        ]
+    }
+    for data in (SYNTHETIC, long_case):
+        text = report.format_table(report.build_report(data, skips))
+        assert max(map(len, text.splitlines())) <= 100, text
     text = report.format_table(report.build_report(SYNTHETIC, skips))
     lines = text.splitlines()
-    assert "Median" in lines[0] and "modstate / peer" in lines[0]
-    assert "Overhead ratio" in lines[1]
-    header = next(line for line in lines if line.startswith("case"))
-    assert header.split()[:5] == ["case", "modstate", "peer", "peer", "time"]
-    add_line = next(line for line in lines if line.startswith("add (small)"))
-    assert (
-        "8 us" in add_line
-        and "torch.utils._pytree" in add_line
-        and add_line.split()[-2:] == ["0.50", "-"]
-    )
-    tensordict_line = lines[lines.index(add_line) + 1]
-    assert tensordict_line.split()[:3] == ["tensordict", "20", "us"] and "0.40" in tensordict_line
+    assert "Median" in lines[0] and "modstate / peer" in lines[1]
+    assert "overhead = (modstate - baseline)" in lines[2]
+    start = lines.index("add (small)")
+    assert lines[start + 1].split() == ["modstate", "8", "us", "-"]  # no quartiles given
+    assert lines[start + 2].split() == ["torch.utils._pytree", "16", "us", "-", "0.50", "-"]
+    assert lines[start + 3].split()[:2] == ["tensordict", "20"] and "0.40" in lines[start + 3]
+    call = lines.index("call")
+    assert lines[call + 2].strip().startswith("baseline: plain forward")  # after modstate
+    assert lines[call + 3].split()[-2:] == ["0.47", "0.20"]
     assert "test_add_td[small]: skipped (not installed: could not import 'tensordict')" in text
-    call_line = next(line for line in lines if line.startswith("call"))
-    assert "baseline: plain forward" in call_line  # the baseline is shown first
-    assert text.index("functional_call") > text.index("baseline")
+
+
+def test_wide_table_keeps_one_line_per_case_and_peer():
+    text = report.format_table(report.build_report(SYNTHETIC), wide=True)
+    add_line = next(line for line in text.splitlines() if line.startswith("add (small)"))
+    assert "8 us" in add_line and "torch.utils._pytree" in add_line and "0.50" in add_line
+
+
+def test_spread_is_half_the_interquartile_range():
+    data = {
+        "benchmarks": [
+            {
+                "name": "t",
+                "group": "g",
+                "extra_info": {
+                    "impl": "modstate",
+                    "interleaved": {
+                        "modstate": {"median": 1.0, "q1": 0.9, "q3": 1.1},
+                        "peer": {"median": 2.0, "q1": 1.8, "q3": 2.4},
+                    },
+                },
+                "stats": {"median": 1.0},
+            }
+        ]
+    }
+    (case,) = report.build_report(data).cases
+    (peer,) = case.peers
+    assert case.modstate_spread == pytest.approx(0.1) and peer.spread == pytest.approx(0.15)
+    assert (peer.ratio_low, peer.ratio_high) == pytest.approx((0.9 / 2.4, 1.1 / 1.8))
+    assert report.format_spread(0.1) == "±10%" and report.format_spread(None) == "-"
+
+
+def test_peers_the_suites_could_not_import_are_noted():
+    data = {"benchmarks": [bench("t", "add (small)", "modstate", 1e-6, missing=["tensordict"])]}
+    assert report.build_report(data).notes == ["add (small): tensordict is not installed, left out"]
 
 
 def test_format_seconds_picks_a_unit():
@@ -137,19 +175,58 @@ def test_read_skips_from_junit(tmp_path):
     assert report.read_skips(tmp_path / "missing.xml") == []
 
 
+def test_footer_says_what_the_figures_come_from():
+    import datetime
+
+    import torch
+
+    when = datetime.datetime(2026, 12, 2, tzinfo=datetime.timezone.utc)
+    data = {"machine_info": {"cpu": {"brand_raw": "Some CPU", "count": 2}}}
+    assert report.footer_line(data, quick=True, when=when) == (
+        f"quick run · torch {torch.__version__} · Some CPU, 2 CPUs · 2026-12-02"
+    )
+    assert report.footer_line(data, quick=False, when=when).startswith("full run")
+
+
 def test_plot_ratios_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
-    assert report.plot_ratios(report.build_report(SYNTHETIC), path) is None
+    assert report.plot_ratios(report.build_report(SYNTHETIC), path, footer="full run") is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     empty = report.Report([], [], [])
     assert "no case" in report.plot_ratios(empty, tmp_path / "none.png")
 
 
-def test_main_without_benchmarks_dir_fails_clearly(tmp_path, capsys):
+def test_main_without_benchmarks_dir_says_it_needs_a_source_checkout(tmp_path, capsys):
     code = report.main(["--benchmarks-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
     assert code == 2
-    assert "no benchmarks/ directory" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "needs a source checkout" in captured.err
+
+
+def test_help_says_it_needs_a_source_checkout(capsys):
+    with pytest.raises(SystemExit):
+        report.main(["--help"])
+    assert "needs a source checkout" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_unwritable_out_is_one_line_and_exit_2(tmp_path, pytree_suite, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = report.main(["--out", str(blocker / "out"), "--benchmarks-dir", str(pytree_suite)])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and "cannot write to --out" in captured.err
+
+
+def test_a_keyword_that_matches_nothing_is_one_line_and_exit_2(tmp_path, pytree_suite, capsys):
+    code = report.main(
+        ["-k", "nomatch", "--out", str(tmp_path), "--benchmarks-dir", str(pytree_suite)]
+    )
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err == "modstate bench: no benchmark matches -k 'nomatch'\n"
 
 
 def test_the_benchmarks_dir_of_this_checkout_is_found():
@@ -185,6 +262,9 @@ def test_main_end_to_end_on_the_pytree_suite(tmp_path, pytree_suite, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "add (small)" in out and "add (large)" in out and "torch.utils._pytree" in out
+    assert "[1/1] pytree_benchmarks_test.py (2) ... done in" in out  # progress per suite
+    assert "quick run · torch" in out
+    assert (tmp_path / "bench.txt").read_text().startswith("Median time per call")
     data = json.loads((tmp_path / "bench.json").read_text())
     cases = {case["case"]: case for case in data["cases"]}
     assert set(cases) == {"add (small)", "add (large)"}
@@ -216,6 +296,6 @@ def test_main_notes_a_peer_that_is_not_installed(tmp_path, pytree_suite, monkeyp
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "test_add_td[small]: skipped (not installed" in out
+    assert "add (small): tensordict is not installed, left out" in out
     (case,) = json.loads((out_dir / "bench.json").read_text())["cases"]
     assert [peer["impl"] for peer in case["peers"]] == ["torch.utils._pytree"]

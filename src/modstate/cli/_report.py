@@ -1,16 +1,20 @@
 """``python -m modstate bench``: run every benchmark suite and show modstate beside its peers.
 
-The suites in the repository's ``benchmarks/`` directory run under pytest-benchmark in a
-subprocess. Each benchmark names its case in ``benchmark.group`` and its implementation in
+The suites live in a source checkout's ``benchmarks/`` folder (a wheel does not ship them); each
+runs under pytest-benchmark in a subprocess of its own, with a progress line per suite. Each
+benchmark names its case in ``benchmark.group`` and its implementation in
 ``benchmark.extra_info["impl"]`` (``"modstate"``, or the peer's name; an impl starting with
-``"baseline"`` is the work every implementation does anyway, such as the plain forward). The
-report pairs the ``modstate`` entry of each group with every peer and prints, per case, the median
-time of each and the ratio modstate / peer (below 1: modstate is faster). With a baseline in the
-group it also gives the ratio of overheads, (modstate - baseline) / (peer - baseline).
+``"baseline"`` is the work every implementation does anyway, such as the plain forward); suites
+using the ``compare`` fixture time all implementations of a case in interleaved rounds and store
+them in ``extra_info["interleaved"]``. The report pairs the ``modstate`` entry of each case with
+every peer and prints, per case, each one's median time and spread (half the interquartile range,
+in percent of the median) and the ratio modstate / peer (below 1: modstate is faster). With a
+baseline in the case it also gives the ratio of overheads, (modstate - baseline) / (peer -
+baseline). The table fits 100 columns; ``--wide`` puts each peer on one line with its case.
 
-Written to ``--out`` (default ``bench-results/``): ``bench.json`` (every figure and ratio, plus
-each benchmark's statistics) and ``bench.png`` (the ratios as bars, a line at 1.0; needs
-matplotlib). Peers that are not installed skip their tests; they are listed as notes.
+Written to ``--out`` (default ``bench-results/``): ``bench.txt`` (the table), ``bench.json``
+(every figure and ratio, plus each benchmark's statistics) and ``bench.png`` (the ratios as bars
+drawn from 1.0 on a log axis; needs matplotlib). Peers that are not installed are listed as notes.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +47,10 @@ class PeerResult:
     ratio: float | None  # None when no modstate entry ran in the group
     test: str
     overhead_ratio: float | None = None
+    spread: float | None = None  # half the interquartile range, as a fraction of the median
+    # the ratio's range from the quartiles: modstate's q1 / peer's q3 .. modstate's q3 / peer's q1
+    ratio_low: float | None = None
+    ratio_high: float | None = None
 
 
 @dataclass
@@ -52,6 +61,8 @@ class CaseResult:
     peers: list[PeerResult] = field(default_factory=list)
     baseline: str | None = None
     baseline_s: float | None = None
+    modstate_spread: float | None = None
+    baseline_spread: float | None = None
 
 
 @dataclass
@@ -131,6 +142,9 @@ def build_report(data: dict[str, Any], skipped: list[Skip] | None = None) -> Rep
     """Pair each group's modstate entry with its peers, from pytest-benchmark's JSON."""
     groups: dict[str, dict[str, dict[str, Any]]] = {}
     notes: list[str] = []
+    for bench in data.get("benchmarks", []):
+        for peer in (bench.get("extra_info") or {}).get("missing", []):
+            notes.append(f"{bench.get('group')}: {peer} is not installed, left out")
     for bench in _expand_interleaved(data.get("benchmarks", [])):
         group = bench.get("group") or bench.get("name", "?")
         impl = (bench.get("extra_info") or {}).get("impl")
@@ -149,10 +163,12 @@ def build_report(data: dict[str, Any], skipped: list[Skip] | None = None) -> Rep
             group,
             _median(own) if own else None,
             own["name"] if own else None,
+            modstate_spread=_spread(own) if own else None,
         )
         if baselines:
             case.baseline = baselines[0]
             case.baseline_s = _median(entries[baselines[0]])
+            case.baseline_spread = _spread(entries[baselines[0]])
         if own is None:
             notes.append(f"{group}: no modstate entry ran, nothing to compare")
         for impl, bench in entries.items():
@@ -160,7 +176,11 @@ def build_report(data: dict[str, Any], skipped: list[Skip] | None = None) -> Rep
                 continue
             peer_s = _median(bench)
             ratio = None if case.modstate_s is None else case.modstate_s / peer_s
-            peer = PeerResult(impl, peer_s, ratio, bench["name"])
+            peer = PeerResult(impl, peer_s, ratio, bench["name"], spread=_spread(bench))
+            if own is not None:
+                low, high = _quartiles(own), _quartiles(bench)
+                if low and high and high[0] > 0 and high[1] > 0:
+                    peer.ratio_low, peer.ratio_high = low[0] / high[1], low[1] / high[0]
             if (
                 case.modstate_s is not None
                 and case.baseline_s is not None
@@ -193,6 +213,21 @@ def _median(bench: dict[str, Any]) -> float:
     return float(bench["stats"]["median"])
 
 
+def _quartiles(bench: dict[str, Any]) -> tuple[float, float] | None:
+    stats = bench.get("stats") or {}
+    if stats.get("q1") is None or stats.get("q3") is None:
+        return None
+    return float(stats["q1"]), float(stats["q3"])
+
+
+def _spread(bench: dict[str, Any]) -> float | None:
+    """Half the interquartile range as a fraction of the median (0.03: about ±3%)."""
+    quartiles, median = _quartiles(bench), _median(bench)
+    if quartiles is None or median <= 0:
+        return None
+    return (quartiles[1] - quartiles[0]) / 2 / median
+
+
 def read_skips(junit_path: Path) -> list[Skip]:
     """The skipped tests of a pytest ``--junitxml`` file, with their reasons."""
     if not junit_path.exists():
@@ -221,36 +256,109 @@ def format_seconds(seconds: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_table(report: Report) -> str:
-    """The side-by-side table: one line per (case, peer), then the notes."""
-    header = ("case", "modstate", "peer", "peer time", "ratio")
-    has_overheads = any(p.overhead_ratio is not None for c in report.cases for p in c.peers)
+TABLE_WIDTH = 100
+IMPL_WIDTH = 36
+
+
+def format_spread(spread: float | None) -> str:
+    """``0.034 -> "±3%"``; ``"-"`` when unknown."""
+    if spread is None:
+        return "-"
+    return f"±{spread * 100:.0f}%" if spread >= 0.005 else "±0%"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _title(report: Report, has_overheads: bool) -> list[str]:
+    lines = [
+        "Median time per call over interleaved rounds; ± is half the interquartile range.",
+        "ratio = modstate / peer (below 1.00: modstate is faster).",
+    ]
     if has_overheads:
-        header += ("overhead ratio",)
+        lines.append("overhead = (modstate - baseline) / (peer - baseline).")
+    return lines
+
+
+def _notes(report: Report) -> list[str]:
+    notes = [skip.note for skip in report.skipped] + report.notes
+    return ["", "Notes:", *(f"  {note}" for note in notes)] if notes else []
+
+
+def format_table(report: Report, *, wide: bool = False) -> str:
+    """The side-by-side report: each case, then modstate, its baseline and each peer under it,
+    in 100 columns; ``wide=True``: one line per (case, peer), however long, then the notes."""
+    has_overheads = any(p.overhead_ratio is not None for c in report.cases for p in c.peers)
+    if wide:
+        return _format_wide(report, has_overheads)
+    header = f"  {'implementation':<{IMPL_WIDTH}}  {'time':>9}  {'spread':>6}  {'ratio':>6}"
+    if has_overheads:
+        header += f"  {'overhead':>8}"
+    out = [*_title(report, has_overheads), "", header, "-" * len(header)]
+
+    def line(impl: str, seconds: float | None, spread: float | None, *rest: str) -> str:
+        time = "-" if seconds is None else format_seconds(seconds)
+        text = f"  {_clip(impl, IMPL_WIDTH):<{IMPL_WIDTH}}  {time:>9}  {format_spread(spread):>6}"
+        for cell, width in zip(rest, (6, 8)):
+            text += f"  {cell:>{width}}"
+        return text.rstrip()
+
+    for case in report.cases:
+        out.append(_clip(case.case, TABLE_WIDTH))
+        out.append(line("modstate", case.modstate_s, case.modstate_spread))
+        if case.baseline is not None:
+            out.append(line(case.baseline, case.baseline_s, case.baseline_spread))
+        for peer in case.peers:
+            ratio = "-" if peer.ratio is None else f"{peer.ratio:.2f}"
+            overhead = "-" if peer.overhead_ratio is None else f"{peer.overhead_ratio:.2f}"
+            rest = (ratio, overhead) if has_overheads else (ratio,)
+            out.append(line(peer.impl, peer.median_s, peer.spread, *rest))
+        if not case.peers:
+            out.append("  (no peer ran)")
+    return "\n".join(out + _notes(report))
+
+
+def _format_wide(report: Report, has_overheads: bool) -> str:
+    header = ("case", "modstate", "±", "peer", "peer time", "±", "ratio")
+    if has_overheads:
+        header += ("overhead",)
     rows: list[tuple[str, ...]] = []
     for case in report.cases:
         own = "-" if case.modstate_s is None else format_seconds(case.modstate_s)
         lines: list[tuple[str, ...]] = []
         if case.baseline is not None and case.baseline_s is not None:
-            lines.append(("", "", case.baseline, format_seconds(case.baseline_s), ""))
+            lines.append(
+                (
+                    "",
+                    "",
+                    "",
+                    case.baseline,
+                    format_seconds(case.baseline_s),
+                    format_spread(case.baseline_spread),
+                    "",
+                )
+            )
         for peer in case.peers:
             line: tuple[str, ...] = (
                 "",
                 "",
+                "",
                 peer.impl,
                 format_seconds(peer.median_s),
+                format_spread(peer.spread),
                 "-" if peer.ratio is None else f"{peer.ratio:.2f}",
             )
             if has_overheads:
                 line += ("-" if peer.overhead_ratio is None else f"{peer.overhead_ratio:.2f}",)
             lines.append(line)
         if not lines:
-            lines.append(("", "", "(no peer ran)", "", ""))
-        lines[0] = (case.case, own, *lines[0][2:])
+            lines.append(("", "", "", "(no peer ran)", "", "", ""))
+        lines[0] = (case.case, own, format_spread(case.modstate_spread), *lines[0][3:])
         rows.extend(lines)
     rows = [row + ("",) * (len(header) - len(row)) for row in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    right = {1, 3, 4, 5}
+    right = {1, 2, 4, 5, 6, 7}
 
     def render(row: tuple[str, ...]) -> str:
         cells = [
@@ -259,15 +367,9 @@ def format_table(report: Report) -> str:
         ]
         return "  ".join(cells).rstrip()
 
-    title = "Median time per call; ratio = modstate / peer (below 1.00: modstate is faster)."
-    if has_overheads:
-        title += "\nOverhead ratio = (modstate - baseline) / (peer - baseline)."
     rule = "-" * len(render(header))
-    out = [title, "", render(header), rule, *map(render, rows)]
-    notes = [skip.note for skip in report.skipped] + report.notes
-    if notes:
-        out += ["", "Notes:", *(f"  {note}" for note in notes)]
-    return "\n".join(out)
+    out = [*_title(report, has_overheads), "", render(header), rule, *map(render, rows)]
+    return "\n".join(out + _notes(report))
 
 
 def report_json(report: Report, data: dict[str, Any], *, quick: bool) -> dict[str, Any]:
@@ -313,41 +415,97 @@ def _versions(*distributions: str) -> dict[str, str | None]:
     return found
 
 
-def plot_ratios(report: Report, path: Path) -> str | None:
-    """Write the bar chart of ratios; returns why not when it cannot (matplotlib missing)."""
+def footer_line(data: dict[str, Any], *, quick: bool, when: datetime.datetime | None = None) -> str:
+    """``"full run · torch 2.13.0 · Intel Xeon, 2 CPUs · 2026-12-02"``: what the figures are from."""
+    machine = data.get("machine_info") or {}
+    cpu = machine.get("cpu") or {}
+    where = cpu.get("brand_raw") or machine.get("processor") or machine.get("machine") or "?"
+    if cpu.get("count"):
+        where += f", {cpu['count']} CPUs"
+    when = when or datetime.datetime.now(datetime.timezone.utc)
+    torch_version = _versions("torch")["torch"] or "?"
+    return " · ".join(
+        (
+            "quick run" if quick else "full run",
+            f"torch {torch_version}",
+            where,
+            when.strftime("%Y-%m-%d"),
+        )
+    )
+
+
+FASTER, SLOWER = "tab:green", "tab:red"
+
+
+def plot_ratios(report: Report, path: Path, *, footer: str = "") -> str | None:
+    """Write the chart of ratios; returns why not when it cannot (matplotlib missing).
+
+    One bar per (case, peer), drawn from 1.0 to the ratio on a log axis, so that "2x faster" and
+    "2x slower" are bars of the same length on either side; green where modstate is faster, red
+    where it is slower; a whisker spans the ratio's range from the quartiles of both sides.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         return "bench.png not written: matplotlib is not installed (pip install 'modstate[bench]')"
     bars = [
-        (f"{case.case}  vs {peer.impl}", peer.ratio)
+        (f"{case.case}  vs {peer.impl}", peer)
         for case in report.cases
         for peer in case.peers
         if peer.ratio is not None
     ]
     if not bars:
         return "bench.png not written: no case has both modstate and a peer"
-    labels, ratios = zip(*reversed(bars))
-    figure, axes = plt.subplots(figsize=(13, 1.4 + 0.32 * len(bars)))
-    colors = ["tab:green" if ratio <= 1 else "tab:red" for ratio in ratios]
-    axes.barh(range(len(ratios)), ratios, color=colors)
-    axes.set_yticks(range(len(ratios)), labels, fontsize=8)
+    labels = [label for label, _ in reversed(bars)]
+    peers = [peer for _, peer in reversed(bars)]
+    ratios = [float(peer.ratio or 1.0) for peer in peers]
+    figure, axes = plt.subplots(figsize=(13, 1.9 + 0.32 * len(bars)))
+    colors = [FASTER if ratio <= 1 else SLOWER for ratio in ratios]
+    rows = range(len(ratios))
+    axes.barh(rows, [ratio - 1 for ratio in ratios], left=1.0, color=colors, height=0.7)
+    for row, peer in zip(rows, peers):
+        if peer.ratio_low is not None and peer.ratio_high is not None:
+            axes.plot([peer.ratio_low, peer.ratio_high], [row, row], color="black", linewidth=0.8)
+    axes.set_yticks(list(rows), labels, fontsize=8)
     axes.axvline(1.0, color="black", linewidth=1)
     axes.set_xscale("log")
-    low = min(min(ratios), 1.0) / 1.5
-    high = max(max(ratios), 1.0) * 1.5
+    extremes = ratios + [p.ratio_low or 1.0 for p in peers] + [p.ratio_high or 1.0 for p in peers]
+    low = min(min(extremes), 1.0) / 1.8
+    high = max(max(extremes), 1.0) * 1.8
     axes.set_xlim(low, high)
-    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10) if low <= t <= high]
+    ticks = [
+        t
+        for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10, 20, 50)
+        if low <= t <= high
+    ]
     axes.minorticks_off()
     axes.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    for index, ratio in enumerate(ratios):
-        axes.text(ratio, index, f" {ratio:.2f}", va="center", fontsize=7)
-    axes.set_xlabel("modstate time / peer time (median, log scale)\nleft of 1: modstate is faster")
-    axes.set_title("modstate vs peers")
-    figure.tight_layout()
+    for row, peer, ratio in zip(rows, peers, ratios):
+        # the label sits past the bar's end and past its whisker
+        if ratio > 1:
+            x, align = max(ratio, peer.ratio_high or ratio), "left"
+        else:
+            x, align = min(ratio, peer.ratio_low or ratio), "right"
+        axes.text(x, row, f" {ratio:.2f} ", va="center", ha=align, fontsize=7)
+    axes.set_xlabel("modstate time / peer time (median over interleaved rounds, log scale)")
+    axes.set_title("modstate vs peers: bars from 1.0; left of the line, modstate is faster")
+    axes.legend(
+        handles=[
+            Patch(color=FASTER, label="modstate faster (ratio < 1)"),
+            Patch(color=SLOWER, label="modstate slower (ratio > 1)"),
+            plt.Line2D([], [], color="black", linewidth=0.8, label="range from the quartiles"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
+    if footer:
+        figure.text(0.01, 0.005, footer, fontsize=8, color="dimgray", ha="left", va="bottom")
+    figure.tight_layout(rect=(0, 0.03 if footer else 0, 1, 1))
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return None
@@ -357,78 +515,203 @@ def plot_ratios(report: Report, path: Path) -> str | None:
 # the command
 
 
+NEEDS_CHECKOUT = (
+    "modstate bench needs a source checkout: the suites live in its benchmarks/ folder, which "
+    "the installed package does not ship. Run it from a clone of the repository, after "
+    "pip install -e '.[bench]'."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m modstate bench",
-        description="Run the benchmark suites and print modstate beside each peer.",
+        description="Run the benchmark suites and print modstate beside each peer. "
+        + NEEDS_CHECKOUT,
     )
     parser.add_argument("--quick", action="store_true", help="few rounds per benchmark")
-    parser.add_argument("--out", default="bench-results", help="where bench.json and bench.png go")
+    parser.add_argument(
+        "--out",
+        default="bench-results",
+        help="where bench.txt, bench.json and bench.png go (default bench-results/)",
+    )
     parser.add_argument("-k", dest="keyword", help="pytest -k expression to run only some cases")
+    parser.add_argument(
+        "--wide", action="store_true", help="one line per case and peer, wider than 100 columns"
+    )
     parser.add_argument(
         "--benchmarks-dir", type=Path, help="the suites' directory (default: found automatically)"
     )
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the suites, print the table, write ``bench.json`` and ``bench.png``; 0 on success."""
-    args = _parser().parse_args(argv)
-    bench_dir = args.benchmarks_dir or find_benchmarks_dir()
-    if bench_dir is None or not bench_dir.is_dir():
-        print(
-            "modstate bench: no benchmarks/ directory found next to the modstate sources or in "
-            f"the current directory ({Path.cwd()}); run it from a modstate checkout.",
-            file=sys.stderr,
-        )
-        return 2
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    suites = ", ".join(path.name for path in _suites(bench_dir))
-    print(f"running {suites} ({'quick' if args.quick else 'full'} run) ...", flush=True)
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _writable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot take the results, or None when it can (it is created if needed)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        return f"modstate bench: cannot write to --out {str(path)!r}: {error.strerror or error}"
+    return None
+
+
+@dataclass
+class SuiteRun:
+    suite: Path
+    returncode: int
+    data: dict[str, Any] | None
+    skips: list[Skip]
+    output: str
+    seconds: float
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    # pytest-benchmark leaves an empty file when no benchmark was selected
+    text = path.read_text() if path.exists() else ""
+    return json.loads(text) if text.strip() else None
+
+
+def collect(bench_dir: Path, keyword: str | None) -> tuple[dict[str, int], list[str]]:
+    """How many benchmarks each suite holds (those ``-k`` selects), and the suites that fail to
+    import, from one ``pytest --collect-only`` run."""
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(bench_dir),
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+    ]
+    if keyword:
+        command += ["-k", keyword]
+    done = subprocess.run(
+        command,
+        cwd=bench_dir.parent,
+        env=_subprocess_env(False),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    counts: dict[str, int] = {}
+    broken: list[str] = []
+    for line in done.stdout.splitlines():
+        if "::" in line and not line.startswith(("ERROR", "FAILED")):
+            suite = Path(line.split("::", 1)[0]).name
+            counts[suite] = counts.get(suite, 0) + 1
+        elif line.startswith("ERROR ") and line.split()[1].endswith(".py"):
+            broken.append(Path(line.split()[1].split("::")[0]).name)
+    return counts, broken
+
+
+def run_suite(suite: Path, *, quick: bool, keyword: str | None) -> SuiteRun:
+    """One suite in a pytest subprocess of its own, with its JSON results and skips."""
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         json_path = Path(scratch) / "pytest-benchmark.json"
         junit_path = Path(scratch) / "junit.xml"
-        command = pytest_command(
-            bench_dir, json_path, junit_path, quick=args.quick, keyword=args.keyword
-        )
+        command = pytest_command(suite, json_path, junit_path, quick=quick, keyword=keyword)
         done = subprocess.run(
             command,
-            cwd=bench_dir.parent,
-            env=_subprocess_env(args.quick),
+            cwd=suite.parent.parent,
+            env=_subprocess_env(quick),
             capture_output=True,
             text=True,
             check=False,
         )
-        if not json_path.exists():
-            print(done.stdout[-4000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
-            print(
-                f"modstate bench: pytest exited with {done.returncode} and wrote no results",
-                file=sys.stderr,
-            )
-            return done.returncode or 1
-        data = json.loads(json_path.read_text())
+        data = _read_json(json_path)
         skips = read_skips(junit_path)
-    report = build_report(data, skips)
-    if done.returncode not in (0, 5):
-        failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        report.notes.append(
-            f"pytest exited with {done.returncode}: {len(failed)} benchmarks failed"
+    return SuiteRun(
+        suite,
+        done.returncode,
+        data,
+        skips,
+        done.stdout + done.stderr,
+        time.perf_counter() - started,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suites, print the table, write ``bench.txt``, ``bench.json`` and ``bench.png``.
+
+    Exit status: 0 when every benchmark ran, 1 when some failed, 2 for a usage error (no suites,
+    nothing matching ``-k``, an ``--out`` that cannot be written), each said in one line.
+    """
+    args = _parser().parse_args(argv)
+    bench_dir = args.benchmarks_dir or find_benchmarks_dir()
+    if bench_dir is None or not bench_dir.is_dir() or not _suites(bench_dir):
+        where = bench_dir if bench_dir is not None else Path.cwd() / "benchmarks"
+        print(f"{NEEDS_CHECKOUT} (no benchmark suites in {where})", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    why_not = _writable_dir(out_dir)
+    if why_not:
+        print(why_not, file=sys.stderr)
+        return 2
+    counts, broken = collect(bench_dir, args.keyword)
+    suites = [suite for suite in _suites(bench_dir) if suite.name in counts or suite.name in broken]
+    if not suites:
+        selection = f"matches -k {args.keyword!r}" if args.keyword else f"is in {bench_dir}/"
+        print(f"modstate bench: no benchmark {selection}", file=sys.stderr)
+        return 2
+    mode = "quick" if args.quick else "full"
+    total = sum(counts.values())
+    print(
+        f"modstate bench: {_count(total, 'benchmark')} in {_count(len(suites), 'suite')} "
+        f"from {bench_dir}/ "
+        f"({mode} run)",
+        flush=True,
+    )
+    runs = []
+    for index, suite in enumerate(suites, start=1):
+        print(
+            f"  [{index}/{len(suites)}] {suite.name} ({counts.get(suite.name, 0)}) ...",
+            end=" ",
+            flush=True,
         )
-        report.notes.extend(failed[:20])
-    print(format_table(report))
+        run = run_suite(suite, quick=args.quick, keyword=args.keyword)
+        status = "done" if run.returncode in (0, 5) else f"pytest exited with {run.returncode}"
+        print(f"{status} in {run.seconds:.0f} s", flush=True)
+        runs.append(run)
+    data: dict[str, Any] = {"benchmarks": []}
+    for run in runs:
+        if run.data:
+            data.setdefault("machine_info", run.data.get("machine_info"))
+            data["benchmarks"].extend(run.data.get("benchmarks", []))
+    report = build_report(data, [skip for run in runs for skip in run.skips])
+    failed = False
+    for run in runs:
+        if run.returncode in (0, 5):
+            continue
+        failed = True
+        lines = [line for line in run.output.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        report.notes.append(f"{run.suite.name}: pytest exited with {run.returncode}")
+        report.notes.extend(lines[:20] or run.output.strip().splitlines()[-5:])
+    table = format_table(report, wide=args.wide)
+    print()
+    print(table)
+    footer = footer_line(data, quick=args.quick)
+    (out_dir / "bench.txt").write_text(
+        format_table(report, wide=False) + f"\n\n{footer}\n", encoding="utf-8"
+    )
     (out_dir / "bench.json").write_text(
         json.dumps(report_json(report, data, quick=args.quick), indent=2)
     )
-    why_no_plot = plot_ratios(report, out_dir / "bench.png")
-    written = "bench.json" if why_no_plot else "bench.json and bench.png"
-    print(f"\nwrote {written} to {out_dir}/")
+    why_no_plot = plot_ratios(report, out_dir / "bench.png", footer=footer)
+    written = "bench.txt and bench.json" if why_no_plot else "bench.txt, bench.json and bench.png"
+    print(f"\n{footer}\nwrote {written} to {out_dir}/")
     if why_no_plot:
         print(why_no_plot)
     if not report.cases:
-        print("modstate bench: no benchmark ran (check -k)", file=sys.stderr)
+        print("modstate bench: no benchmark produced figures", file=sys.stderr)
         return 1
-    return 0 if done.returncode == 0 else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
