@@ -68,7 +68,7 @@ def test_unchanged_leaves_come_back_as_the_same_objects():
     )
 
 
-def test_updated_buffers_come_back_as_new_tensors_the_rest_as_they_were():
+def test_buffers_of_training_modules_come_back_as_copies_frozen_parameters_as_they_are():
     model = nn.ModuleDict({"bn": nn.BatchNorm1d(4), "frozen": nn.Linear(4, 4)})
     model["frozen"].requires_grad_(False)
     model["frozen"].register_buffer("cache", torch.ones(4))
@@ -80,9 +80,28 @@ def test_updated_buffers_come_back_as_new_tensors_the_rest_as_they_were():
     model.forward = forward
     _, new_state = ms.apply(model, params, state, torch.randn(8, 4))
     assert new_state["frozen"]["weight"] is state["frozen"]["weight"]  # a frozen parameter
-    assert new_state["frozen"]["cache"] is state["frozen"]["cache"]  # a buffer nobody wrote
     assert new_state["bn"]["running_mean"] is not state["bn"]["running_mean"]
     assert new_state["bn"]["num_batches_tracked"] is not state["bn"]["num_batches_tracked"]
+    # In training mode a buffer comes back as its copy even if nothing wrote to it (a kernel can
+    # write without a trace): a new tensor with the same value.
+    assert new_state["frozen"]["cache"] is not state["frozen"]["cache"]
+    assert torch.equal(new_state["frozen"]["cache"], state["frozen"]["cache"])
+    model["frozen"].eval()
+    _, new_state = ms.apply(model, params, state, torch.randn(8, 4))
+    assert new_state["frozen"]["cache"] is state["frozen"]["cache"]
+
+
+def test_statistics_a_kernel_writes_without_a_trace_come_back():
+    # An Ensemble's batched BatchNorm updates views of the stacked statistics inside the kernel:
+    # no version counter moves, and the owner is not a BatchNorm module.
+    ensemble = ms.Ensemble([bn_model() for _ in range(2)])
+    reference = copy.deepcopy(ensemble)
+    params, state = ms.split(ensemble, detach=True)
+    x = torch.randn(8, 3)
+    out, new_state = ms.apply(ensemble, params, state, x)
+    assert torch.equal(out, reference(x))
+    assert_equal_trees(new_state, ms.split(reference)[1])
+    assert int(state["stacked"]["2"]["num_batches_tracked"].sum()) == 0
 
 
 def test_a_reassigned_buffer_comes_back_and_the_input_tree_keeps_its_own():

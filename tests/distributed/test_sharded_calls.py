@@ -16,7 +16,7 @@ from _ranks import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import modstate as ms
@@ -187,6 +187,29 @@ def check_layout(name: str, build, mesh) -> None:
     else:
         raise AssertionError(f"{name}: a wrongly shaped leaf was accepted")
     assert hook_tables(sharded) == hooks, name
+    # ... nor does the state_dict route, whose tensors the forward hooks would not see.
+    try:
+        with ms.inject(sharded, changed, use_state_dict=True):
+            raise AssertionError(f"{name}: inject(use_state_dict=True) was accepted")
+    except ValueError as error:
+        assert "use_state_dict" in str(error), error
+    with ms.inject(sharded, changed):  # the fix named
+        assert close(sharded(x), want), name
+    # ... nor does a pending sum (Partial), which the message says how to redistribute.
+    flat = dict(ms.flatten(changed))
+    path = next(iter(flat))
+    leaf = flat[path]
+    pieces = leaf.full_tensor() / leaf.device_mesh.size()  # they sum to the leaf
+    flat[path] = DTensor.from_local(pieces, leaf.device_mesh, [Partial()])
+    try:
+        ms.call(sharded, ms.unflatten(flat), x)
+    except ValueError as error:
+        assert path in str(error) and "Partial" in str(error), error
+    else:
+        raise AssertionError(f"{name}: a Partial leaf was accepted")
+    flat[path] = flat[path].redistribute(placements=leaf.placements)  # the fix named
+    assert close(ms.call(sharded, ms.unflatten(flat), x), want), name
+    assert hook_tables(sharded) == hooks, name
 
     # load copies in place (identity kept), from DTensors or from full tensors.
     tree = ms.extract(sharded)
@@ -197,6 +220,19 @@ def check_layout(name: str, build, mesh) -> None:
     assert close(local_output(sharded, x), ms.call(reference, full(other), x)), name
     assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects)), name
     ms.load(reference, full(other))
+    if name == "fsdp2 root only":
+        # A root keeps its parameters gathered after a forward without backward: FSDP reshards
+        # from its own shards later, so a load then would be lost; it is refused.
+        with torch.no_grad():
+            sharded(x)
+        try:
+            ms.load(sharded, full(other))
+        except ValueError as error:
+            assert "reshard()" in str(error), error
+        else:
+            raise AssertionError("a load into FSDP's gathered parameters was accepted")
+        sharded.reshard()  # the fix named
+        ms.load(sharded, full(other))
     sgd_step(sharded, batch(4))
     sgd_step(reference, batch(4))
     assert close(local_output(sharded, x), reference(x)), name
@@ -210,6 +246,8 @@ def check_layout(name: str, build, mesh) -> None:
         else:
             raise AssertionError(f"{name}: swap on FSDP-owned parameters was accepted")
         assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
+        ms.load(sharded, changed)  # the fix the message names
+        assert close(local_output(sharded, x), want), name
     else:
         old = ms.swap(sharded, ms.tree.map(nn.Parameter, changed))
         assert close(local_output(sharded, x), ms.call(reference, full(changed), x)), name
@@ -217,10 +255,50 @@ def check_layout(name: str, build, mesh) -> None:
         assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
 
 
+def with_batchnorm(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def check_apply_in_train_mode(mesh) -> None:
+    """apply (the pure stateful call) on FSDP2 per layer, BatchNorm in train mode: outputs, new
+    statistics and torch.func.grad gradients of the unsharded model; nothing passed in mutated."""
+    sharded, reference = with_batchnorm(0), with_batchnorm(0)
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded[3], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    params, state = ms.split(sharded, detach=True)
+    params = perturbed(params)
+    assert all(isinstance(leaf, DTensor) for leaf in ms.flatten(params).values())
+    before = ms.tree.clone(state)
+    x = batch(7, rows=6)
+
+    def loss(params, state, model):
+        out, new_state = ms.apply(model, params, state, x)
+        return out.pow(2).sum(), new_state
+
+    grads, new_state = torch.func.grad(loss, has_aux=True)(params, state, sharded)
+    want_grads, want_state = torch.func.grad(loss, has_aux=True)(full(params), state, reference)
+    for path, g in ms.flatten(grads).items():
+        assert g.placements == ms.flatten(params)[path].placements, path
+        assert close(g.full_tensor(), ms.flatten(want_grads)[path]), path
+    for path, value in ms.flatten(want_state).items():
+        assert torch.allclose(ms.flatten(new_state)[path].double(), value.double()), path
+    assert not close(new_state["1"]["running_mean"], before["1"]["running_mean"])
+    for path, value in ms.flatten(before).items():  # nothing passed in was mutated
+        assert torch.equal(ms.flatten(state)[path], value), path
+        assert torch.equal(ms.flatten(ms.extract(sharded))[path], value), path
+    sgd_step(sharded, batch(8, rows=6))  # trains as usual afterwards
+    sgd_step(reference, batch(8, rows=6))
+    sharded.eval(), reference.eval()
+    assert close(local_output(sharded, x), reference(x))
+
+
 def every_layout(rank: int, world_size: int) -> list[str]:
     mesh = init_device_mesh("cpu", (world_size,))
     for name, build in LAYOUTS.items():
         check_layout(name, build, mesh)
+    check_apply_in_train_mode(mesh)
     return list(LAYOUTS)
 
 

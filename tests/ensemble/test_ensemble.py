@@ -451,8 +451,10 @@ def test_ensemble_equals_the_loop_and_the_vmap_path_with_the_same_gradients(laye
 
 def test_known_layers_run_as_batched_kernels_and_the_rest_under_vmap():
     text = repr(ms.Ensemble(seeded(cnn, 2)))
-    assert "members=2" in text and "batched kernels, vmap for BatchNorm2d" in text
+    assert "members=2" in text and "path=batched kernels\n" in text  # BatchNorm2d included
     assert "Conv2d(3, 4" in text
+    cumulative = ms.Ensemble(seeded(lambda: nn.Sequential(nn.BatchNorm1d(3, momentum=None)), 2))
+    assert "batched kernels, vmap for BatchNorm1d" in repr(cumulative)
     assert "path=batched kernels\n" in repr(ms.Ensemble(seeded(mlp, 2)))
     assert "vmap over the whole model" in repr(ms.Ensemble(seeded(encoder_layer, 2)))
 

@@ -717,3 +717,19 @@ def test_an_optimizer_of_another_module_is_refused():
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="parameter 0 of the optimizer's param group 0"):
         optim.optimizer_state(opt, model)
+
+
+def test_a_modstate_optimizer_is_refused_with_the_reason_and_the_fix_works(tmp_path):
+    model = make_model()
+    opt = optim.adam()
+    with pytest.raises(TypeError, match=r"expected a torch\.optim\.Optimizer.*holds no state"):
+        optim.optimizer_state(opt, model)
+    with pytest.raises(TypeError, match=r"expected a torch\.optim\.Optimizer"):
+        optim.load_optimizer_state(opt, model, {"state": {}, "param_groups": []})
+    # The fix the message names: the state is already a tree keyed by path; save it directly.
+    params = ms.extract(model, detach=True)
+    state = opt.step(params, ms.tree.map(torch.ones_like, params), opt.init(params))[1]
+    ms.checkpoint.save(state, tmp_path / "adam.safetensors")
+    loaded = ms.checkpoint.load(tmp_path / "adam.safetensors")
+    assert ms.flatten(loaded).keys() == ms.flatten(state).keys()
+    assert all(torch.equal(ms.flatten(loaded)[k], v) for k, v in ms.flatten(state).items())

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from .call import call
 from .flat import Tree, is_subtree, iter_leaves
-from .walk import anatomy_of
+from .walk import Anatomy, anatomy_of
 
 
 def apply(
@@ -25,7 +25,10 @@ def apply(
     Nothing passed in is mutated: the buffers in ``state`` are copied before ``forward`` runs, so
     a buffer that ``forward`` updates in place (BatchNorm's running statistics in train mode) or
     reassigns (``self.count = self.count + 1``) comes back as a new tensor in ``new_state``, which
-    has the structure of ``state``; every other leaf comes back as the very same object. Outputs
+    has the structure of ``state``; every other leaf comes back as the very same object. Which
+    buffers changed cannot always be seen (``batch_norm`` writes its statistics without a trace),
+    so the buffers of submodules in training mode always come back as their copies, changed or
+    not; in eval mode an untouched buffer comes back as the same object. Outputs
     and new statistics equal the stateful ``module(*args, **kwargs)`` bit for bit, and the module
     is left exactly as it was.
 
@@ -54,18 +57,102 @@ def apply(
             f"apply: state must be a tree (a dict of tensors), got {type(state).__name__}"
         )
     compiling = torch.compiler.is_compiling()
+    if not compiling and type(params) is dict:
+        fast = _apply_in_plan_order(module, params, state, args, kwargs)
+        if fast is not None:
+            return fast
+    # The general route: any tree shapes, precise errors, and what Dynamo can trace.
     # Which paths hold buffers (copied) rather than frozen parameters (passed as they are).
     if compiling:
         buffers = {path for path, _ in module.named_buffers(remove_duplicate=False)}
     else:
         buffers = {path for path, slot in anatomy_of(module).by_path.items() if slot.is_buffer}
     _refuse_buffers_in(params, buffers)
-    updated_by_kernel = _statistics_updated_in_train_mode(module)
+    updated_by_kernel = _buffers_of_training_modules(module)
     copies: dict[str, tuple[Tensor, int]] = {}
     work = _copy_buffers(state, "", buffers, copies, compiling)
     out = call(module, (params, work), *args, **kwargs)
     new_state = _collect(state, work, "", copies, updated_by_kernel, compiling)
     return out, new_state
+
+
+class _Layout:
+    """What apply needs to know of one anatomy: each path's position in the anatomy's plan
+    order, which paths hold buffers, and where the norm layers are."""
+
+    __slots__ = ("buffers", "owners", "position", "size")
+
+    def __init__(self, anatomy: Anatomy, module: nn.Module) -> None:
+        self.position = {slot.path: i for i, slot in enumerate(anatomy.ordered)}
+        self.size = len(anatomy.ordered)
+        self.buffers = frozenset(slot.path for slot in anatomy.slots if slot.is_buffer)
+        self.owners = _buffer_owners(module)
+
+    def updated_by_kernel(self) -> set[str]:
+        return {path for path, owner in self.owners.items() if owner.training}
+
+
+_layouts: weakref.WeakKeyDictionary[Anatomy, _Layout] = weakref.WeakKeyDictionary()
+
+
+def _apply_in_plan_order(
+    module: nn.Module, params: dict, state: Mapping[str, Any], args: tuple, kwargs: dict
+) -> tuple[Any, Tree] | None:
+    """apply through the anatomy's compiled plan: ``params`` and the copied ``state`` merged into
+    one tree shaped like ``extract``'s. None (nothing done) when the trees are not exactly two
+    disjoint halves of the module's paths: the general route then runs, or names the error."""
+    anatomy = anatomy_of(module)
+    layout = _layouts.get(anatomy)
+    if layout is None:
+        layout = _layouts[anatomy] = _Layout(anatomy, module)
+    position, buffers = layout.position, layout.buffers
+    leaves: list[Any] = [None] * layout.size
+    for path, leaf in iter_leaves(params):
+        if leaf is None:
+            continue
+        i = position.get(path)
+        if i is None or path in buffers or leaves[i] is not None:
+            return None
+        leaves[i] = leaf
+    copies: dict[str, tuple[Tensor, int]] = {}
+    for path, leaf in iter_leaves(state):
+        if leaf is None:
+            continue
+        i = position.get(path)
+        if i is None or leaves[i] is not None:
+            return None
+        if path in buffers and isinstance(leaf, Tensor):
+            leaf = leaf.clone()
+            copies[path] = (leaf, _version(leaf))
+        leaves[i] = leaf
+    if any(leaf is None for leaf in leaves):
+        return None
+    merged = anatomy.new_tree(leaves)
+    out = call(module, merged, *args, **kwargs)
+    after = anatomy.read(merged)
+    assert after is not None  # call writes reassigned buffers back in place: same shape
+    now = after[0]
+    updated = layout.updated_by_kernel()
+
+    def collect(node: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, original in node.items():
+            path = prefix + key
+            if is_subtree(key, original):
+                out[key] = collect(original, f"{path}.")
+                continue
+            copy = copies.get(path)
+            if copy is None:
+                out[key] = original
+                continue
+            current = now[position[path]]
+            if current is not copy[0] or path in updated or _version(current) != copy[1]:
+                out[key] = current
+            else:
+                out[key] = original
+        return out
+
+    return out, collect(state, "")
 
 
 def _refuse_buffers_in(params: Any, buffers: set[str]) -> None:
@@ -138,16 +225,24 @@ def _version(tensor: Tensor) -> int:
     return tensor._version
 
 
-def _statistics_updated_in_train_mode(module: nn.Module) -> set[str]:
-    """Paths of the running statistics that norm kernels update in place in train mode.
+def _buffer_owners(module: nn.Module) -> dict[str, nn.Module]:
+    """The module that holds each buffer, by path (a shared module at its first path)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: owner
+        for prefix, owner in module.named_modules()
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+    }
 
-    The batch-norm kernels write ``running_mean`` / ``running_var`` without bumping their version
-    counter (the schema of ``native_batch_norm`` does not mark them mutable), so they are named
-    here rather than detected.
+
+def _buffers_of_training_modules(module: nn.Module) -> set[str]:
+    """Paths of the buffers whose owner is in training mode: each comes back as its copy.
+
+    Kernels may write into a buffer without a trace: ``batch_norm`` updates the running statistics
+    in place without bumping their version counter (the schema of ``native_batch_norm`` does not
+    mark them mutable), and so does any layer built on it (an Ensemble's batched BatchNorm). So in
+    training mode a buffer's copy is returned whether or not it changed; in eval mode a buffer
+    comes back as the same object unless ``forward`` reassigned it or wrote to it with an in-place
+    op that bumps the version counter.
     """
-    paths = set()
-    for prefix, owner in module.named_modules():
-        if isinstance(owner, _NormBase) and owner.training and owner.track_running_stats:
-            dot = f"{prefix}." if prefix else ""
-            paths.update((f"{dot}running_mean", f"{dot}running_var"))
-    return paths
+    return {path for path, owner in _buffer_owners(module).items() if owner.training}

@@ -29,9 +29,16 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
 
     The same as ``with ms.inject(module, tree): return module(*args, **kwargs)`` (strict), made
     fast for repeated calls, and safe under ``torch.func.vmap``, ``grad``, ``jacrev`` and
-    ``torch.compile(fullgraph=True)``. The module is left exactly as it was, also if the call
-    raises; reassigned buffers are written back into ``tree``. In-place buffer updates (BatchNorm
-    in train mode) land in the tree's tensors: :func:`modstate.apply` is the pure form.
+    ``torch.compile(fullgraph=True)``. Afterwards, also if the call raised, the module holds
+    exactly the tensors it held before (same objects, same ``requires_grad``, values untouched
+    unless ``forward`` writes to the tree's tensors in place), and so do tensors it keeps as plain
+    attributes and lazy modules' class and hooks; a buffer that ``forward`` reassigns is written
+    back into ``tree``. In-place buffer updates (BatchNorm in train mode) land in the tree's
+    tensors: :func:`modstate.apply` is the pure form. Not restored, as with
+    ``torch.func.functional_call``: other plain attributes that ``forward`` assigns (counters,
+    ints, lists, such as the ``max_seq_len_cached`` of a Llama with dynamic RoPE); snapshotting
+    every module's ``__dict__`` on every call would cost more than the call itself on small
+    models. Call a copy (``copy.deepcopy(module)``) when its forward keeps such state.
 
     >>> import torch, modstate as ms
     >>> lin = torch.nn.Linear(3, 1)

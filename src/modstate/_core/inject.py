@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from .flat import Tree, is_subtree, unflatten
 from .hooks import Assignment, LoadPlan, plan_load, run_overridden_loads
-from .sharded import Sharding, gathered, loadable
+from .sharded import Sharding, gathered, loadable, partial_leaf
 from .walk import Anatomy, ModuleGuard, anatomy_of, forget
 
 _is = operator.is_
@@ -152,6 +152,16 @@ def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = F
     if prepared is None:
         prepared = _prepare_by_path(anatomy, tree, strict)
     if compute and anatomy.sharding is not None:
+        partial = partial_leaf(prepared.values)
+        if partial is not None:
+            table, name = prepared.tables[partial], prepared.names[partial]
+            path = next(s.path for s in anatomy.slots if s.table is table and s.name == name)
+            raise ValueError(
+                f"{path!r}: a DTensor with a Partial placement (a pending sum); a call on a "
+                "sharded module gathers the tree and gives gradients back piece by piece, which "
+                "a pending sum has not: redistribute it first (leaf.redistribute(placements="
+                "[Replicate()]) or the module's own placements)"
+            )
         return UnshardedSwap(prepared, anatomy.sharding)
     return prepared
 
@@ -494,7 +504,10 @@ class inject:
     tensors under ``torch.vmap`` work. On exit, also when the body raised, the module holds the very
     same objects it held before, with the same ``requires_grad``. A buffer that ``forward``
     reassigns (``self.count = self.count + 1``) is written back into ``tree``. In-place updates
-    (BatchNorm statistics) land in the tree's tensors.
+    (BatchNorm statistics) land in the tree's tensors. Tensors the module keeps as plain attributes
+    and lazy modules' class and hooks are restored too; other plain attributes that ``forward``
+    assigns (counters, a Llama dynamic RoPE's ``max_seq_len_cached``) are not, as with
+    ``torch.func.functional_call`` (see :func:`modstate.call`).
 
     ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
     shapes and dtypes; non-persistent buffers may be left out (``state_dict`` leaves them out; the
@@ -536,6 +549,9 @@ class inject:
         if self._swap is not None:
             raise RuntimeError("this inject(...) block is already active; make a new one")
         if self._use_state_dict:
+            sharding = anatomy_of(self._module).sharding
+            if sharding is not None:
+                sharding.refuse_state_dict_route("inject")
             plan, guard = prepare_hooked(self._module, self._tree, self._strict, in_place=False)
             swap: Swap = HookedSwap(plan, self._tree, guard)
         else:
@@ -605,11 +621,15 @@ def load(
         plan, _ = prepare_hooked(module, tree, strict, in_place=True)
         currents = [a.current for a in plan.assignments]
         values = [a.value for a in plan.assignments]
+        tables, names = [a.table for a in plan.assignments], [a.name for a in plan.assignments]
     else:
         prepared = prepare(module, tree, strict)
         _check_copyable(module, prepared)
         currents, values, plan = prepared.olds, prepared.values, None
-    if anatomy_of(module).sharding is not None:
+        tables, names = prepared.tables, prepared.names
+    sharding = anatomy_of(module).sharding
+    if sharding is not None:
+        sharding.check_loadable(tables, names)
         values = loadable(currents, values)
     _copy(currents, values)
     if plan is not None:

@@ -119,12 +119,39 @@ class Sharding:
                     "kept), or ms.inject / ms.call to compute with another tree"
                 )
 
+    def check_loadable(self, tables: list[dict[str, Any]], names: list[str]) -> None:
+        """Refuse, naming the path, an in-place load into parameters that FSDP2 holds gathered
+        (between forward and backward): FSDP reshards from its own shards, so it would be lost."""
+        for table, name in zip(tables, names):
+            owner = self.fsdp_owned.get(id(table))
+            if owner is not None and not is_dtensor(table.get(name)):
+                path = f"{owner[0]}.{name}" if owner[0] else name
+                fsdp_path = owner[1] or "the root module"
+                raise ValueError(
+                    f"{path!r}: {fsdp_path!r} (FSDP2) holds its gathered parameters now (after a "
+                    "forward whose backward has not run, or with reshard_after_forward=False), "
+                    "and reshards from its own shards, so a load into them would be lost; call "
+                    "reshard() on that module (or finish the backward) first"
+                )
+
+    def refuse_state_dict_route(self, operation: str) -> None:
+        """Refuse ``use_state_dict=True`` for a computing swap: that route swaps the tensors in
+        as they are, which the parallelism's forward hooks would replace or misread."""
+        raise ValueError(
+            f"{operation}(..., use_state_dict=True) on a module sharded with FSDP2 or tensor "
+            f"parallel is not supported: the module's forward hooks would not compute with the "
+            f"tree; use {operation}(...) without use_state_dict (the tree's paths are the "
+            "module's own, as extract gives them)"
+        )
+
 
 def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sharding | None:
     """The :class:`Sharding` of a module tree (``(path, module)`` pairs as ``named_modules``
     gives them, and every tensor its slots hold), or None if nothing in it is sharded."""
     if "torch.distributed.tensor" not in sys.modules:
         return None
+    if modules and getattr(modules[0][1], "_modstate_computes_with_dtensors", False):
+        return None  # a module whose forward takes its DTensors as they are (an Ensemble on a mesh)
     # Only the hooks themselves: the *_with_kwargs / always_called flags of a hook that is not
     # there are never read.
     hooks = [
@@ -211,29 +238,87 @@ def _dtensor_around(local: Tensor, mesh: Any, placements: Any, shape: Any, strid
     return DTensor(local, spec, requires_grad=False)
 
 
-def check_gatherable(path: str, leaf: Any) -> None:
-    """Refuse, naming the path, a leaf that a stateless call cannot gather."""
-    if is_dtensor(leaf) and any(p.is_partial() for p in leaf.placements):
-        raise ValueError(
-            f"{path!r}: a DTensor with a Partial placement (pending reduction); "
-            "redistribute it to Shard or Replicate first"
-        )
+def partial_leaf(values: list[Any]) -> int | None:
+    """The index of the first value that is a ``DTensor`` with a ``Partial`` placement (a pending
+    sum, which has no piece of a gradient to give back), or None."""
+    for index, value in enumerate(values):
+        if holds_dtensor(value) and any(p.is_partial() for p in _innermost(value).placements):
+            return index
+    return None
 
 
 def gathered(values: list[Any]) -> list[Any]:
     """``values`` with every ``DTensor`` replaced by its full tensor (differentiably); one gather
-    per distinct tensor, so tied leaves stay one tensor."""
-    done: dict[int, Any] = {}
-    out = []
+    per distinct tensor, so tied leaves stay one tensor. The leaves sharded on dim 0 over one
+    1-D mesh, FSDP2's layout, are gathered together in one collective."""
+    distinct: dict[int, Any] = {}
     for value in values:
         if holds_dtensor(value):
-            full = done.get(id(value))
-            if full is None:
-                full = done[id(value)] = _Gather.apply(value)
-            out.append(full)
+            distinct.setdefault(id(value), value)
+    if not distinct:
+        return values
+    batches: dict[Any, list[Any]] = {}
+    singles = []
+    for value in distinct.values():
+        inner = _innermost(value)
+        placements = inner.placements
+        if inner.device_mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0):
+            batches.setdefault((id(inner.device_mesh), inner.dtype, inner.device), []).append(value)
         else:
-            out.append(value)
-    return out
+            singles.append(value)
+    full: dict[int, Tensor] = {}
+    for batch in batches.values():
+        if len(batch) == 1:
+            singles += batch
+            continue
+        for value, whole in zip(batch, _GatherRows.apply(*batch)):
+            full[id(value)] = whole
+    for value in singles:
+        full[id(value)] = _Gather.apply(value)
+    return [full.get(id(value), value) if isinstance(value, Tensor) else value for value in values]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Full tensors of several ``DTensor`` s sharded on dim 0 over one 1-D mesh, in one
+    all-gather (each rank's rows padded to the same count, as FSDP2 does); backward hands each
+    rank its rows of every gradient, without communication."""
+
+    @staticmethod
+    def forward(*tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        mesh = tensors[0].device_mesh
+        ranks = mesh.size()
+        rows = [-(-t.shape[0] // ranks) for t in tensors]  # rows per rank, as torch.chunk
+        pieces = []
+        for t, count in zip(tensors, rows):
+            local = t.to_local()
+            if local.shape[0] < count:
+                padding = local.new_zeros((count - local.shape[0], *local.shape[1:]))
+                local = torch.cat([local, padding])
+            pieces.append(local.reshape(-1))
+        send = torch.cat(pieces)
+        receive = send.new_empty(ranks * send.numel())
+        dist.all_gather_into_tensor(receive, send, group=mesh.get_group())
+        receive = receive.view(ranks, send.numel())
+        out, offset = [], 0
+        for t, piece, count in zip(tensors, pieces, rows):
+            block = receive[:, offset : offset + piece.numel()]
+            out.append(block.reshape(ranks * count, *t.shape[1:])[: t.shape[0]].clone())
+            offset += piece.numel()
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        inner = [_innermost(t) for t in inputs]
+        ctx.specs = [(t.device_mesh, t.placements) for t in inner]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return tuple(
+            None if grad is None else piece_of(grad, mesh, placements)
+            for grad, (mesh, placements) in zip(grads, ctx.specs)
+        )
 
 
 def loadable(currents: list[Any], values: list[Any]) -> list[Any]:

@@ -14,6 +14,7 @@ not stored: a tree comes back as ``unflatten(flatten(tree))``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -109,6 +110,7 @@ def load_distributed(
     *,
     strict: bool = True,
     process_group: Any = None,
+    as_saved: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Read a ``save_distributed`` checkpoint into a new tree laid out like ``like``.
 
@@ -125,6 +127,17 @@ def load_distributed(
     that ``like`` lacks. ``strict=False`` loads a subset and casts dtypes. Errors name the paths.
     DCP's ``.metadata`` and non-tensor values are pickles: load distributed checkpoints you trust.
 
+    ``as_saved`` lists dotted paths (``"optimizer"``) under which ``like`` is not needed: every
+    leaf the checkpoint holds there comes back as saved, tensors as plain tensors of their saved
+    (global) shape and dtype on the CPU, whatever ``like`` holds there. That is how to resume a
+    ``torch.optim`` optimizer without a warm-up step to create its state first::
+
+        tree = load_distributed(dir, {"model": modstate.extract(model)}, as_saved=["optimizer"])
+        modstate.load(model, tree["model"])
+        modstate.optim.load_optimizer_state(optimizer, model, tree["optimizer"])
+
+    (``load_optimizer_state`` lays full tensors out like their parameter when that is a DTensor.)
+
     >>> like = modstate.extract(model)  # the sharded model, on every rank  # doctest: +SKIP
     >>> modstate.load(model, load_distributed("ckpt/step-100", like))  # doctest: +SKIP
     """
@@ -133,13 +146,19 @@ def load_distributed(
     from modstate.checkpoint import _dcp
 
     name = os.fspath(directory)
+    if isinstance(as_saved, str):
+        as_saved = [as_saved]
+    prefixes = tuple(as_saved)
     flat_like = _flatten(like)
+    flat_like = {p: leaf for p, leaf in flat_like.items() if not _dcp.under(p, prefixes)}
     metadata = _dcp.read_metadata(name)
-    _dcp.check_compatible(name, flat_like, metadata, strict=strict)
+    saved_as_is = _dcp.as_saved_targets(name, metadata, prefixes)
+    _dcp.check_compatible(name, flat_like, metadata, strict=strict, as_saved=prefixes)
     state = _dcp.empty_targets(flat_like, metadata)
+    state.update(saved_as_is)
     with _dcp.single_process_quietly(process_group) as no_dist:
         dcp.load(state, checkpoint_id=name, process_group=process_group, no_dist=no_dist)
-    return _unflatten({path: state[path] for path in flat_like})
+    return _unflatten(dict(state))
 
 
 def _flatten(tree: Any) -> dict[str, Any]:

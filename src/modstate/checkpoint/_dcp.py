@@ -58,8 +58,50 @@ def read_metadata(directory: str | os.PathLike) -> Metadata:
     return dcp.FileSystemReader(name).read_metadata()
 
 
+def under(path: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``path`` is one of ``prefixes`` or lies under one of them."""
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def as_saved_targets(name: str, metadata: Metadata, prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """Targets for every leaf the checkpoint holds under ``prefixes``, shaped as saved: tensors
+    as plain tensors of their saved (global) shape and dtype, on the CPU; non-tensor leaves as
+    ``non_tensor_target`` rebuilds them. Refuses a prefix under which nothing was saved."""
+    origins = dict.fromkeys(_origin(metadata, fqn) for fqn in metadata.state_dict_metadata)
+    targets: dict[str, Any] = {}
+    for prefix in prefixes:
+        found = [origin for origin in origins if under(origin, (prefix,))]
+        if not found:
+            raise ValueError(
+                f"cannot load {name!r}: as_saved names {prefix!r}, but the checkpoint holds "
+                "nothing there"
+            )
+        for origin in found:
+            entry = metadata.state_dict_metadata.get(origin)
+            if isinstance(entry, TensorStorageMetadata):
+                targets[origin] = _placeholder(entry)
+            else:
+                targets[origin] = non_tensor_target(origin, None, metadata)
+    return targets
+
+
+def _fix_for(path: str, flat_like: Mapping[str, Any]) -> str:
+    """The shortest prefix of ``path`` under which ``like`` holds nothing: what as_saved needs."""
+    parts = path.split(".")
+    for n in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:n])
+        if not any(under(key, (prefix,)) for key in flat_like):
+            return prefix
+    return path
+
+
 def check_compatible(
-    name: str, flat_like: Mapping[str, Any], metadata: Metadata, *, strict: bool
+    name: str,
+    flat_like: Mapping[str, Any],
+    metadata: Metadata,
+    *,
+    strict: bool,
+    as_saved: tuple[str, ...] = (),
 ) -> None:
     """Refuse, naming paths, a ``like`` tree whose tensors the checkpoint cannot fill.
 
@@ -70,7 +112,7 @@ def check_compatible(
     saved = metadata.state_dict_metadata
     problems: list[str] = []
     for path, leaf in flat_like.items():
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, torch.Tensor) or under(path, as_saved):
             continue
         entry = saved.get(path)
         if entry is None:
@@ -88,14 +130,22 @@ def check_compatible(
                 f"{leaf.dtype} in like (strict=False casts)"
             )
     if strict:
-        for path, entry in saved.items():
-            if (
-                isinstance(entry, TensorStorageMetadata)
-                and _origin(metadata, path) not in flat_like
-            ):
-                problems.append(
-                    f"{path!r} is in the checkpoint but not in like (strict=False skips it)"
-                )
+        unlisted = [
+            path
+            for path, entry in saved.items()
+            if isinstance(entry, TensorStorageMetadata)
+            and _origin(metadata, path) not in flat_like
+            and not under(_origin(metadata, path), as_saved)
+        ]
+        if unlisted:
+            fixes = list(dict.fromkeys(_fix_for(_origin(metadata, p), flat_like) for p in unlisted))
+            shown = ", ".join(repr(p) for p in unlisted[:3])
+            more = f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+            problems.append(
+                f"{shown}{more} {'is' if len(unlisted) == 1 else 'are'} in the checkpoint but not "
+                f"in like (as_saved={fixes!r} reads what is there as saved; strict=False leaves "
+                "it out of the result)"
+            )
     if problems:
         shown = "; ".join(problems[:8])
         more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""

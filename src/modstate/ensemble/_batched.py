@@ -302,6 +302,52 @@ def _layer_norm_step(module: nn.LayerNorm, context: PlanContext) -> Step:
     return _rowwise(step) if len(normalized) == 1 else step
 
 
+def _batch_norm_step(module: nn.modules.batchnorm._BatchNorm, context: PlanContext) -> Step | str:
+    """N BatchNorms are one BatchNorm over ``N * channels`` channels: the members' channels side
+    by side, with the stacked statistics viewed flat, so the kernel updates them in place."""
+    if module.momentum is None:
+        return "vmap"  # the cumulative average reads each member's own count
+    count = context.count
+    dims = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}[type(module)]
+    weights, weight = context.slot(module.weight) if module.weight is not None else ({}, "")
+    biases, bias = context.slot(module.bias) if module.bias is not None else ({}, "")
+    tracked = module.track_running_stats
+    means, mean = context.slot(module.running_mean) if tracked else ({}, "")
+    variances, variance = context.slot(module.running_var) if tracked else ({}, "")
+    counters, counter = context.slot(module.num_batches_tracked) if tracked else ({}, "")
+    per_member = _vmap_step(module, context)
+    eps, momentum = module.eps, module.momentum
+
+    def step(x: Tensor, shared: bool) -> tuple[Tensor, bool]:
+        running_mean, running_var = means.get(mean), variances.get(variance)
+        if x.dim() - (not shared) not in dims or not all(
+            t is None or t.is_contiguous() for t in (running_mean, running_var)
+        ):
+            return per_member(x, shared)
+        if shared:
+            x = x.expand(count, *x.shape)
+        training = module.training
+        if training and tracked:
+            counters[counter].add_(1)
+        use_batch_stats = training or running_mean is None
+        keep_stats = not training or tracked
+        w, b = weights.get(weight), biases.get(bias)
+        channels = x.transpose(0, 1).flatten(1, 2)  # (batch, members * channels, ...)
+        out = F.batch_norm(
+            channels,
+            running_mean.view(-1) if keep_stats and running_mean is not None else None,
+            running_var.view(-1) if keep_stats and running_var is not None else None,
+            None if w is None else w.flatten(),
+            None if b is None else b.flatten(),
+            use_batch_stats,
+            momentum,
+            eps,
+        )
+        return out.view(out.shape[0], count, -1, *out.shape[2:]).transpose(0, 1), False
+
+    return step
+
+
 def _dropout_step(module: nn.Dropout, context: PlanContext) -> Step:
     count = context.count
     randomness = context.randomness
@@ -398,6 +444,9 @@ _BUILDERS: dict[type[nn.Module], Callable[[Any, PlanContext], Any]] = {
     nn.Conv2d: _convolution_step,
     nn.Conv3d: _convolution_step,
     nn.LayerNorm: _layer_norm_step,
+    nn.BatchNorm1d: _batch_norm_step,
+    nn.BatchNorm2d: _batch_norm_step,
+    nn.BatchNorm3d: _batch_norm_step,
     nn.Dropout: _dropout_step,
     nn.Flatten: _flatten_step,
     nn.Identity: _identity_step,

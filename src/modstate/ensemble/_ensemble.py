@@ -54,6 +54,11 @@ class Ensemble(nn.Module):
     hooks of its own runs under vmap, so that its hooks run; the plan is made once, when the
     ensemble is built (global module hooks are not seen by the batched kernels).
 
+    ``mesh=`` (a 1-D ``DeviceMesh``) spreads the members over its ranks: the stacked tensors are
+    ``DTensor`` s sharded on the member dim, each rank builds and runs only its members, and
+    ``from_factory`` builds member ``i`` under ``torch.manual_seed(i)`` (see
+    :class:`~modstate.ensemble._sharded.MemberParallelEnsemble`).
+
     >>> import torch, modstate as ms
     >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Sequential(
     ...     torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)), 5)
@@ -67,6 +72,14 @@ class Ensemble(nn.Module):
       (2): Linear(in_features=8, out_features=1, bias=True)
     )
     """
+
+    def __new__(cls, *args: Any, mesh: Any = None, **kwargs: Any) -> Ensemble:
+        # mesh= (a 1-D DeviceMesh) makes the member-parallel form (ensemble/_sharded.py).
+        if mesh is not None and cls is Ensemble:
+            from ._sharded import MemberParallelEnsemble
+
+            cls = MemberParallelEnsemble
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -135,6 +148,10 @@ class Ensemble(nn.Module):
         >>> ens.stacked.weight.shape
         torch.Size([8, 2, 4])
         """
+        if kwargs.get("mesh") is not None and cls is Ensemble:
+            from ._sharded import MemberParallelEnsemble
+
+            return MemberParallelEnsemble.from_factory(factory, n, **kwargs)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         return cls([factory() for _ in range(n)], **kwargs)

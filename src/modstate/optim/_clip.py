@@ -4,23 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
-from modstate.optim._tree import _dotted
+from modstate.tree import map as tree_map
+from modstate.tree import map_with_path
 
 
-def _leaves(grads: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    leaves, treedef = optree.tree_flatten(grads, none_is_leaf=True)
-    for index, leaf in enumerate(leaves):
-        if leaf is not None and not (
-            isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
-        ):
-            path = _dotted(optree.tree_paths(grads, none_is_leaf=True)[index])
+def _leaves(grads: Any) -> list[Tensor]:
+    """The gradient tensors in module order (dicts in insertion order, as torch's parameters);
+    None is an empty subtree."""
+    found: list[Tensor] = []
+
+    def collect(path: str, leaf: Any) -> Any:
+        if not (isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
             got = f"a {leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
             raise TypeError(f"grads leaf {path!r} is {got}, not a floating-point tensor or None")
-    return leaves, treedef
+        found.append(leaf)
+        return leaf
+
+    map_with_path(collect, grads)
+    return found
 
 
 def _norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
@@ -57,8 +61,7 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
     """
     norm_type = float(norm_type)
     max_norm = float(max_norm)
-    leaves, treedef = _leaves(grads)
-    present = [leaf for leaf in leaves if leaf is not None]
+    present = _leaves(grads)
     if not present:
         return grads, torch.tensor(0.0)
     first_device = present[0].device
@@ -67,5 +70,4 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
         torch.stack([norm.to(first_device) for norm in norms]), norm_type
     )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    clipped = [None if leaf is None else leaf * coefficient.to(leaf.device) for leaf in leaves]
-    return treedef.unflatten(clipped), total
+    return tree_map(lambda leaf: leaf * coefficient.to(leaf.device), grads), total

@@ -41,6 +41,15 @@ _GROUP_PATH_KEYS = ("params", "param_names")
 
 def _group_paths(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str]]:
     """The dotted path of every parameter of every group of `optimizer`, in the group's order."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if hasattr(optimizer, "init") and hasattr(optimizer, "step"):
+            raise TypeError(
+                f"expected a torch.optim.Optimizer, got modstate's pure "
+                f"{type(optimizer).__name__}, which holds no state: its state is the tree that "
+                f"its init and step return, already keyed by parameter path; save that tree "
+                f"directly (e.g. modstate.checkpoint.save)"
+            )
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     path_of = {id(p): name for name, p in module.named_parameters()}
     result = []
     for g, group in enumerate(optimizer.param_groups):
@@ -220,13 +229,38 @@ def _copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _laid_out_like(param: Tensor, entries: dict[str, Any]) -> dict[str, Any]:
+    """Full plain tensors (a checkpoint read as saved) laid out like their DTensor parameter."""
+    if not _is_dtensor(param):
+        return entries
+    from torch.distributed.tensor import distribute_tensor
+
+    return {
+        key: distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        if isinstance(value, Tensor) and not _is_dtensor(value) and value.shape == param.shape
+        else value
+        for key, value in entries.items()
+    }
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer, module: nn.Module, tree: Mapping[str, Any]
 ) -> None:
     """Load a tree from `optimizer_state` into `optimizer`, which optimizes `module`.
 
     The optimizer may be a fresh one, of a freshly built model: parameters are matched by path,
-    so its next step is the one the saved optimizer would have taken. Hyperparameters the tree's
+    so its next step is the one the saved optimizer would have taken. Where a parameter is a
+    DTensor (FSDP2, tensor parallel) and the tree holds a full plain tensor of its shape (a
+    checkpoint read with ``load_distributed(..., as_saved=["optimizer"])``), the tensor is laid
+    out like the parameter. Hyperparameters the tree's
     groups give replace the optimizer's; those it lacks are kept. Tensors are copied, so the tree
     is not tied to the optimizer afterwards.
 
@@ -258,5 +292,8 @@ def load_optimizer_state(
         group.update({k: _copied(v) for k, v in saved.items() if k not in _GROUP_PATH_KEYS})
         group["params"] = current["params"]
         param_groups.append(group)
-    state = {id_of[path]: _copied(entries) for path, entries in entries_of.items()}
+    state = {
+        id_of[path]: _laid_out_like(module_params[path], _copied(entries))
+        for path, entries in entries_of.items()
+    }
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})

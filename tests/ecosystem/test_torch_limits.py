@@ -1,0 +1,47 @@
+"""What torch itself cannot do under vmap, on ecosystem models: modstate fails exactly as
+``torch.func`` does, with torch's own error naming the op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import params
+
+import modstate as ms
+
+T5 = [p for p in params() if p.id == "t5"]
+
+# Under vmap, aten::scaled_dot_product_attention dispatches to the fused CPU kernel
+# aten::_scaled_dot_product_flash_attention_for_cpu, which has no derivative for attn_mask. T5
+# feeds its learned relative position bias to SDPA as attn_mask, so a stacked T5 whose bias
+# requires grad cannot run under vmap (outside vmap torch picks the math kernel, which can).
+OP = "_scaled_dot_product_flash_attention_for_cpu' is not differentiable with respect to argument 'attn_mask'"
+
+
+@pytest.mark.parametrize("spec", T5)
+def test_t5_sdpa_under_vmap_with_gradients_fails_in_torch_func_as_in_modstate(spec):
+    models = [spec.build(seed=i) for i in range(2)]
+    inputs = spec.inputs()
+    stacked = ms.stack_modules(models)
+    with pytest.raises(RuntimeError, match=OP):
+        ms.vmap_call(models[0], stacked, *inputs)
+
+    distinct = {}  # functional_call wants a tie given once (vmap would wrap each copy apart)
+    for path, leaf in ms.flatten(stacked).items():
+        if all(leaf is not seen for seen in distinct.values()):
+            distinct[path] = leaf
+    with pytest.raises(RuntimeError, match=OP):
+        torch.vmap(lambda p: torch.func.functional_call(models[0], p, inputs).logits)(distinct)
+
+    with pytest.raises(RuntimeError, match=OP):
+        ms.Ensemble(models)(*inputs)
+
+
+@pytest.mark.parametrize("spec", T5)
+def test_t5_sdpa_under_vmap_without_gradients_runs(spec):
+    models = [spec.build(seed=i) for i in range(2)]
+    inputs = spec.inputs()
+    with torch.no_grad():
+        out = ms.vmap_call(models[0], ms.stack_modules(models), *inputs).logits
+        expected = torch.stack([m(*inputs).logits for m in models])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
