@@ -13,6 +13,11 @@ gloo group and calls ``fn(rank, world_size, *args)``; it returns the per-rank re
   failing rank's traceback. No process outlives the call.
 
 ``fn`` must be importable by name (a module-level function) since the processes are spawned.
+
+Starting a group costs seconds (every process imports torch), so the test files register their
+per-rank code as *stages* (``@stage(2)``): ``run_stages(2, directory)`` runs every stage
+registered for 2 ranks, in registration order, in one launch, each as
+``fn(rank, world_size, directory)``, and returns ``{name: per-rank results}``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,31 @@ HOST = "127.0.0.1"
 
 class RankFailed(RuntimeError):
     """A rank raised, died, or the group ran out of time; the message says which and why."""
+
+
+_STAGES: dict[int, list[Callable[..., Any]]] = {}
+
+
+def stage(world_size: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(rank, world_size, directory)`` to run in the shared launch of
+    ``world_size`` ranks (see :func:`run_stages`)."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _STAGES.setdefault(world_size, []).append(fn)
+        return fn
+
+    return register
+
+
+def run_stages(world_size: int, directory: str, *, timeout: float = 300.0) -> dict[str, list]:
+    """Every stage registered for ``world_size`` ranks, in one launch: ``{name: results}``."""
+    stages = _STAGES.get(world_size, [])
+    results = run_ranks(_run_stages, world_size, stages, directory, timeout=timeout)
+    return {fn.__name__: [per_rank[i] for per_rank in results] for i, fn in enumerate(stages)}
+
+
+def _run_stages(rank: int, world_size: int, stages: list, directory: str) -> list[Any]:
+    return [fn(rank, world_size, directory) for fn in stages]
 
 
 def run_ranks(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import stage
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -94,6 +94,7 @@ def assert_trees_equal(actual: dict, expected: dict) -> None:
 # --- stage 1: two ranks train, inspect and save -------------------------------------------
 
 
+@stage(2)
 def save_on_two_ranks(rank: int, world_size: int, directory: str) -> str:
     out = Path(directory)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -171,10 +172,10 @@ def save_on_two_ranks(rank: int, world_size: int, directory: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved_by_two_ranks(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("saved-by-two")
-    run_ranks(save_on_two_ranks, 2, str(directory))
-    return directory
+def saved_by_two_ranks(two_rank_stages, stage_directory) -> Path:
+    # save_on_two_ranks ran in the shared launch of every 2-rank stage (conftest.py).
+    assert len(two_rank_stages["save_on_two_ranks"]) == 2
+    return stage_directory
 
 
 def test_two_ranks_each_write_their_shards(saved_by_two_ranks):
@@ -185,6 +186,7 @@ def test_two_ranks_each_write_their_shards(saved_by_two_ranks):
 # --- stage 2: three ranks load into their own layouts -------------------------------------
 
 
+@stage(3)
 def load_on_three_ranks(rank: int, world_size: int, directory: str) -> bool:
     out = Path(directory)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -257,8 +259,8 @@ def load_on_three_ranks(rank: int, world_size: int, directory: str) -> bool:
     return True
 
 
-def test_a_checkpoint_written_by_two_ranks_loads_on_three(saved_by_two_ranks):
-    assert run_ranks(load_on_three_ranks, 3, str(saved_by_two_ranks)) == [True] * 3
+def test_a_checkpoint_written_by_two_ranks_loads_on_three(three_rank_stages):
+    assert three_rank_stages["load_on_three_ranks"] == [True] * 3
 
 
 # --- stage 3: one process, no process group -----------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import stage
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -93,6 +93,7 @@ def primed_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
 # --- two ranks: build, compare, train, save -----------------------------------------------------
 
 
+@stage(2)
 def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> list[int]:
     saved = Path(directory)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -173,45 +174,43 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
         "model": ms.extract(ensemble),
         "optimizer": ms.optim.optimizer_state(adam, ensemble),
     }
-    checkpoint.save_distributed(training, saved / "training")
+    checkpoint.save_distributed(training, saved / "member-parallel")
     adam_step(ensemble, adam, 99)
     after = full_tree(ensemble.tree())
     if rank == 0:
-        torch.save(after, saved / "next-step.pt")
+        torch.save(after, saved / "member-parallel-next-step.pt")
     return list(ensemble.members_here)
 
 
+@stage(3)
 def resume_on_three_ranks(rank: int, world_size: int, directory: str) -> list[int]:
     saved = Path(directory)
     mesh = init_device_mesh("cpu", (world_size,))
     ensemble = ms.Ensemble.from_factory(factory, MEMBERS, mesh=mesh)
     adam = torch.optim.Adam(ensemble.parameters(), lr=1e-2)
     like = {"model": ms.extract(ensemble), "optimizer": primed_optimizer_state(adam, ensemble)}
-    training = checkpoint.load_distributed(saved / "training", like)
+    training = checkpoint.load_distributed(saved / "member-parallel", like)
     ms.load(ensemble, training["model"])
     ms.optim.load_optimizer_state(adam, ensemble, training["optimizer"])
     adam_step(ensemble, adam, 99)
-    assert_close_trees(ensemble.tree(), torch.load(saved / "next-step.pt"))
+    assert_close_trees(ensemble.tree(), torch.load(saved / "member-parallel-next-step.pt"))
     return list(ensemble.members_here)
 
 
 @pytest.fixture(scope="module")
-def trained_on_two_ranks(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("member-parallel")
-    assert run_ranks(train_and_save_on_two_ranks, 2, str(directory), timeout=120) == [
-        [0, 1, 2, 3],
-        [4, 5, 6, 7],
-    ]
-    return directory
+def trained_on_two_ranks(two_rank_stages, stage_directory) -> Path:
+    # The stages ran in the shared launches of the folder's 2-rank and 3-rank stages.
+    assert two_rank_stages["train_and_save_on_two_ranks"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    return stage_directory
 
 
 def test_two_ranks_train_their_members_and_save(trained_on_two_ranks):
-    assert (trained_on_two_ranks / "training" / ".metadata").exists()
+    assert (trained_on_two_ranks / "member-parallel" / ".metadata").exists()
 
 
-def test_three_ranks_resume_with_the_same_next_step(trained_on_two_ranks):
+def test_three_ranks_resume_with_the_same_next_step(three_rank_stages):
     # 8 members over 3 ranks split unevenly, 3 + 3 + 2, as Shard(0) splits the member dim.
-    held = run_ranks(resume_on_three_ranks, 3, str(trained_on_two_ranks), timeout=120)
+    held = three_rank_stages["resume_on_three_ranks"]
     assert held == [[0, 1, 2], [3, 4, 5], [6, 7]]
 
 
@@ -219,8 +218,10 @@ def test_one_process_resumes_with_an_ordinary_ensemble(trained_on_two_ranks):
     ensemble = ms.Ensemble(seeded_members(MEMBERS))
     adam = torch.optim.Adam(ensemble.parameters(), lr=1e-2)
     like = {"model": ms.extract(ensemble), "optimizer": primed_optimizer_state(adam, ensemble)}
-    training = checkpoint.load_distributed(trained_on_two_ranks / "training", like)
+    training = checkpoint.load_distributed(trained_on_two_ranks / "member-parallel", like)
     ms.load(ensemble, training["model"])
     ms.optim.load_optimizer_state(adam, ensemble, training["optimizer"])
     adam_step(ensemble, adam, 99)
-    assert_close_trees(ensemble.tree(), torch.load(trained_on_two_ranks / "next-step.pt"))
+    assert_close_trees(
+        ensemble.tree(), torch.load(trained_on_two_ranks / "member-parallel-next-step.pt")
+    )

@@ -1,6 +1,6 @@
 """Functional calls on modules sharded with FSDP2 and tensor parallel, on real gloo groups.
 
-One launch of 2 ranks runs every check on every layout (FSDP2 on the root only, per layer plus
+One 2-rank stage (run with the folder's other 2-rank stages) checks every layout (FSDP2 on the root only, per layer plus
 root, nested blocks; tensor parallel colwise/rowwise): a stateless call with a tree of DTensors
 laid out like the module's own computes what the unsharded module computes with the full tree,
 ``torch.func.grad`` through it gives the unsharded gradients as DTensors laid out like the tree,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import stage
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -294,7 +294,8 @@ def check_apply_in_train_mode(mesh) -> None:
     assert close(local_output(sharded, x), reference(x))
 
 
-def every_layout(rank: int, world_size: int) -> list[str]:
+@stage(2)
+def every_layout(rank: int, world_size: int, directory: str) -> list[str]:
     mesh = init_device_mesh("cpu", (world_size,))
     for name, build in LAYOUTS.items():
         check_layout(name, build, mesh)
@@ -302,5 +303,6 @@ def every_layout(rank: int, world_size: int) -> list[str]:
     return list(LAYOUTS)
 
 
-def test_calls_on_sharded_modules_compute_the_unsharded_model():
-    assert run_ranks(every_layout, 2, timeout=120) == [list(LAYOUTS)] * 2
+def test_calls_on_sharded_modules_compute_the_unsharded_model(two_rank_stages):
+    # every_layout ran in the shared launch of every 2-rank stage (conftest.py).
+    assert two_rank_stages["every_layout"] == [list(LAYOUTS)] * 2
