@@ -38,7 +38,7 @@ class Adadelta(Optimizer):
 
     def __post_init__(self) -> None:
         check_lr(self.lr)
-        check_hyperparameter("rho", self.rho, low=0.0, high=1.0 + 1e-12)
+        check_hyperparameter("rho", self.rho, low=0.0, high=1.0, high_inclusive=True)
         check_hyperparameter("eps", self.eps, low=0.0)
         check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
 
