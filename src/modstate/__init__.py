@@ -3,13 +3,24 @@
 >>> import torch, modstate as ms
 >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
 >>> tree = ms.extract(model)                 # {"0": {"weight": ..., "bias": ...}, "2": {...}}
->>> ms.flatten(tree).keys() == model.state_dict().keys()
+>>> ms.flatten(tree).keys() == model.state_dict().keys()  # and the non-persistent buffers
 True
 >>> out = ms.call(model, ms.extract(model, detach=True), torch.randn(2, 3))
 """
 
 from modstate import checkpoint, optim, tree
-from modstate._core import call, extract, flatten, inject, load, swap, unflatten
+from modstate._core import (
+    apply,
+    call,
+    call_partial,
+    extract,
+    flatten,
+    inject,
+    load,
+    split,
+    swap,
+    unflatten,
+)
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 
 __version__ = "0.1.0"
@@ -17,13 +28,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Ensemble",
     "__version__",
+    "apply",
     "call",
+    "call_partial",
     "checkpoint",
     "extract",
     "flatten",
     "inject",
     "load",
     "optim",
+    "split",
     "stack",
     "stack_modules",
     "swap",
