@@ -92,7 +92,8 @@ def _not_float(path: str, leaf: Tensor) -> TypeError:
     return TypeError(
         f"params leaf {path!r} is {leaf.dtype}, and an optimizer steps floating-point or "
         f"complex leaves only: leave it out of the tree, e.g. "
-        f"params = ms.tree.exclude(params, {path!r}) (or set it to None)"
+        f"params = ms.tree.exclude(params, {path!r}) (or set it to None), or take the "
+        f"trainable leaves of a model with params, state = ms.split(model, detach=True)"
     )
 
 
