@@ -59,5 +59,5 @@ class Adadelta(Optimizer):
         acc_delta = ops.mul(run.buffers["acc_delta"], rho, own=own)
         acc_delta = ops.addcmul(acc_delta, delta, delta, 1 - rho, own=True)
         run.buffers["square_avg"], run.buffers["acc_delta"] = square_avg, acc_delta
-        run.p = ops.add(run.p, delta, -h["lr"], own=run.own_p)
+        run.p = ops.add(run.p, delta, -h["lr"], own=run.own_p, into=std)
         return {}
