@@ -7,7 +7,8 @@ Two groups per optimizer:
 - ``optim step: <name>, donated (...)``: ``opt.step(params, grads, state, donate=True)``, which
   writes over its inputs as ``torch.optim`` does; peers ``torch.optim (foreach=True)``,
   ``torch.optim (fused=True)`` where torch has a fused CPU kernel (it computes in another order,
-  so it is a speed reference, not a numbers reference) and ``torchopt (inplace=True)``.
+  so it is a speed reference, not a numbers reference), ``torch.optim (foreach=False)`` (torch's
+  default on the CPU: the numbers modstate reproduces, op for op) and ``torchopt (inplace=True)``.
 - ``optim step: <name> (...)``: the pure step, new trees out; peers ``torch.optim
   (foreach=True)`` and ``torchopt (inplace=False)``.
 
@@ -99,6 +100,8 @@ def test_step_donated(compare, case):
     }
     if CASES[case][3]:
         impls["torch.optim (fused=True)"] = torch_step(case, fused=True)
+    # torch's default on the CPU, whose numbers modstate reproduces (same ops in the same order).
+    impls["torch.optim (foreach=False)"] = torch_step(case, foreach=False)
     if torchopt is not None and CASES[case][4] is not None:
         impls["torchopt (inplace=True)"] = torchopt_step(case, inplace=True)
     compare(f"optim step: {case}, donated ({MODEL})", impls)

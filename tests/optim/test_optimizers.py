@@ -178,11 +178,16 @@ def test_an_integer_leaf_is_refused_by_path_and_the_suggested_fix_works():
     with pytest.raises(TypeError, match=r"'1\.num_batches_tracked' is torch\.int64") as error:
         opt.init(params)
     assert "ms.tree.exclude(params, '1.num_batches_tracked')" in str(error.value)
-    params = ms.tree.exclude(params, "1.num_batches_tracked")  # the fix the message names
-    state = opt.init(params)
-    grads = ms.tree.map(torch.ones_like, params)
-    new, _ = opt.step(params, grads, state)
-    assert set(ms.flatten(new)) == set(ms.flatten(params))
+    assert "ms.split(model, detach=True)" in str(error.value)
+    # Both fixes the message names work.
+    for fixed in (
+        ms.tree.exclude(params, "1.num_batches_tracked"),
+        ms.split(model, detach=True)[0],
+    ):
+        state = opt.init(fixed)
+        grads = ms.tree.map(torch.ones_like, fixed)
+        new, _ = opt.step(fixed, grads, state)
+        assert set(ms.flatten(new)) == set(ms.flatten(fixed))
 
 
 def test_an_integer_gradient_or_state_leaf_is_refused_by_path():
@@ -338,6 +343,17 @@ def test_a_schedule_as_lr_matches_torch_with_its_scheduler():
         assert all(torch.equal(a, b.detach()) for a, b in zip(leaves(params), torch_params))
 
 
+def test_a_schedule_runs_under_vmap_with_its_closed_form():
+    schedule = optim.schedules.exponential(0.1, gamma=0.5)
+    opt = optim.sgd(lr=schedule)
+    params = {"w": torch.zeros(2, 3, dtype=torch.float64)}
+    state = torch.vmap(opt.init)(params)
+    grads = {"w": torch.ones(2, 3, dtype=torch.float64)}
+    for _ in range(3):
+        params, state = torch.vmap(opt.step)(params, grads, state)
+    torch.testing.assert_close(params["w"], torch.full((2, 3), -0.175, dtype=torch.float64))
+
+
 def test_hyperparameters_are_checked_like_torch():
     with pytest.raises(ValueError, match="invalid lr"):
         optim.rmsprop(lr=-1)
@@ -347,3 +363,6 @@ def test_hyperparameters_are_checked_like_torch():
         optim.sgd(nesterov=True)
     with pytest.raises(ValueError, match="0-dim"):
         optim.adagrad(lr=torch.ones(2))
+    assert optim.adadelta(rho=1.0).rho == 1.0  # torch accepts rho in [0, 1]
+    with pytest.raises(ValueError, match=r"invalid rho: 1\.5 \(must be in \[0\.0, 1\.0\]\)"):
+        optim.adadelta(rho=1.5)

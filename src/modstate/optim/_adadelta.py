@@ -38,7 +38,7 @@ class Adadelta(Optimizer):
 
     def __post_init__(self) -> None:
         check_lr(self.lr)
-        check_hyperparameter("rho", self.rho, low=0.0, high=1.0 + 1e-12)
+        check_hyperparameter("rho", self.rho, low=0.0, high=1.0, high_inclusive=True)
         check_hyperparameter("eps", self.eps, low=0.0)
         check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
 
@@ -59,5 +59,5 @@ class Adadelta(Optimizer):
         acc_delta = ops.mul(run.buffers["acc_delta"], rho, own=own)
         acc_delta = ops.addcmul(acc_delta, delta, delta, 1 - rho, own=True)
         run.buffers["square_avg"], run.buffers["acc_delta"] = square_avg, acc_delta
-        run.p = ops.add(run.p, delta, -h["lr"], own=run.own_p)
+        run.p = ops.add(run.p, delta, -h["lr"], own=run.own_p, into=std)
         return {}

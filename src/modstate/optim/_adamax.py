@@ -55,5 +55,5 @@ class Adamax(Optimizer):
         exp_inf = ops.maximum(ops.mul(run.buffers["exp_inf"], beta2, own=own), norm, own=True)
         run.buffers["exp_avg"], run.buffers["exp_inf"] = exp_avg, exp_inf
         clr = h["lr"] / (1 - beta1**run.count)
-        run.p = ops.addcdiv(run.p, exp_avg, exp_inf, -clr, own=run.own_p)
+        run.p = ops.addcdiv(run.p, exp_avg, exp_inf, -clr, own=run.own_p, into=norm)
         return {}

@@ -44,6 +44,13 @@ def safe_sqrt(x: Tensor) -> Tensor:
     return torch.where(nonzero, torch.sqrt(torch.where(nonzero, x, 1)), 0)
 
 
+def _all_cpu(xs: Leaves) -> bool:
+    """Whether writing results into `xs` with ``out=`` pays: on the CPU the `_foreach_` kernels
+    loop over the leaves anyway, and reusing an intermediate saves allocating (and
+    page-faulting) one tree's worth of memory."""
+    return all(x.device.type == "cpu" for x in xs)
+
+
 def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
     """A 0-dim hyperparameter in the leaf's dtype, as a fused kernel casts its scalar."""
     return value if value.dtype == like.dtype else value.to(like.dtype)
@@ -145,12 +152,22 @@ class LeafOps:
             return [torch.add(x, _as_dtype(s, x)) for x in xs]
         return [torch.add(x, s) for x in xs]
 
-    def add(self, xs: Leaves, ys: Leaves, alpha: Scalar = 1, *, own: bool = False) -> Leaves:
-        """``x + alpha * y``."""
+    def add(
+        self,
+        xs: Leaves,
+        ys: Leaves,
+        alpha: Scalar = 1,
+        *,
+        own: bool = False,
+        into: Leaves | None = None,
+    ) -> Leaves:
+        """``x + alpha * y``; ``into``: a list of the step's own to hold the result (eager)."""
         if self.foreach:
             if own:
                 torch._foreach_add_(xs, ys, alpha=alpha)
                 return xs
+            if into is not None and _all_cpu(into):
+                return [torch.add(x, y, alpha=alpha, out=o) for x, y, o in zip(xs, ys, into)]
             return list(torch._foreach_add(xs, ys, alpha=alpha))
         if isinstance(alpha, Tensor):
             # `alpha=` takes numbers only; torch.optim's differentiable path multiplies too.
@@ -193,16 +210,20 @@ class LeafOps:
         *,
         own: bool = False,
         into_zs: bool = False,
+        into: Leaves | None = None,
     ) -> Leaves:
-        """``x + value * y / z``; ``into_zs`` says `zs` is the step's own, so it may hold the result."""
+        """``x + value * y / z``; ``into_zs`` says `zs` is the step's own, so it may hold the
+        result; ``into`` names another list of the step's own for it (eager form)."""
         if self.foreach:
             if own:
                 torch._foreach_addcdiv_(xs, ys, zs, value)
                 return xs
-            if into_zs and all(z.device.type == "cpu" for z in zs):
-                # On the CPU the _foreach_ kernels loop over the leaves anyway; writing over the
-                # intermediate saves allocating (and page-faulting) one tree's worth of memory.
-                return [torch.addcdiv(x, y, z, value=value, out=z) for x, y, z in zip(xs, ys, zs)]
+            out = zs if into_zs else into
+            if out is not None and _all_cpu(out):
+                return [
+                    torch.addcdiv(x, y, z, value=value, out=o)
+                    for x, y, z, o in zip(xs, ys, zs, out)
+                ]
             return list(torch._foreach_addcdiv(xs, ys, zs, value))
         if isinstance(value, Tensor):
             return [

@@ -84,10 +84,10 @@ def masked(optimizer: Optimizer, *patterns: str) -> Masked:
     integer buffer can stay in the tree.
 
     >>> params = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
-    >>> opt = masked(modstate.optim.sgd(lr=0.5), "head.*")
+    >>> opt = masked(modstate.optim.sgd(lr=0.5, momentum=0.9), "head.*")
     >>> state = opt.init(params)
-    >>> state["momentum_buffer"] if "momentum_buffer" in state else state["step"]
-    tensor(0.)
+    >>> state["momentum_buffer"]
+    {'body': {'w': None}, 'head': {'w': tensor([0., 0.])}}
     >>> grads = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
     >>> new, state = opt.step(params, grads, state)
     >>> new["body"]["w"] is params["body"]["w"], new["head"]["w"]

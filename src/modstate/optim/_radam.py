@@ -75,6 +75,7 @@ class RAdam(Optimizer):
             # that its square root gives no NaN gradient.
             rho_t = torch.where(rectify, rho_t, 6.0)
         update = ops.mul(ops.div(exp_avg, bias_correction1), lr, own=True)
+        spare = None  # an intermediate of the step's own, free to hold the new params
         if rectify is not False:
             rect = (
                 (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
@@ -83,5 +84,6 @@ class RAdam(Optimizer):
             adaptive = ops.mul(ops.reciprocal(adaptive, own=True), bias_correction2**0.5, own=True)
             rectified = ops.mul(ops.mul_each(update, adaptive, own=rectify is True), rect, own=True)
             update = rectified if rectify is True else ops.where(rectify, rectified, update)
-        run.p = ops.add(run.p, update, -1.0, own=run.own_p)
+            spare = adaptive
+        run.p = ops.add(run.p, update, -1.0, own=run.own_p, into=spare)
         return {}

@@ -22,7 +22,12 @@ from modstate.optim._lists import Leaves, Scalar
 
 
 def check_hyperparameter(
-    name: str, value: object, *, low: float, high: float | None = None
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float | None = None,
+    high_inclusive: bool = False,
 ) -> None:
     """Check a hyperparameter the way torch.optim does; a tensor must be 0-dim (values unchecked)."""
     if isinstance(value, Tensor):
@@ -35,8 +40,10 @@ def check_hyperparameter(
         return
     if isinstance(value, bool) or not isinstance(value, Number):
         raise TypeError(f"{name} must be a number or a 0-dim tensor, got {type(value).__name__}")
-    if value < low or (high is not None and value >= high):
-        bounds = f"in [{low}, {high})" if high is not None else f">= {low}"
+    above = high is not None and (value > high if high_inclusive else value >= high)
+    if value < low or above:
+        closing = "]" if high_inclusive else ")"
+        bounds = f"in [{low}, {high}{closing}" if high is not None else f">= {low}"
         raise ValueError(f"invalid {name}: {value} (must be {bounds})")
 
 
@@ -85,7 +92,8 @@ def _not_float(path: str, leaf: Tensor) -> TypeError:
     return TypeError(
         f"params leaf {path!r} is {leaf.dtype}, and an optimizer steps floating-point or "
         f"complex leaves only: leave it out of the tree, e.g. "
-        f"params = ms.tree.exclude(params, {path!r}) (or set it to None)"
+        f"params = ms.tree.exclude(params, {path!r}) (or set it to None), or take the "
+        f"trainable leaves of a model with params, state = ms.split(model, detach=True)"
     )
 
 
