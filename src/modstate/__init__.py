@@ -9,7 +9,18 @@ True
 """
 
 from modstate import checkpoint, optim, tree
-from modstate._core import call, extract, flatten, inject, load, swap, unflatten
+from modstate._core import (
+    apply,
+    call,
+    call_partial,
+    extract,
+    flatten,
+    inject,
+    load,
+    split,
+    swap,
+    unflatten,
+)
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 
 __version__ = "0.1.0"
@@ -17,13 +28,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Ensemble",
     "__version__",
+    "apply",
     "call",
+    "call_partial",
     "checkpoint",
     "extract",
     "flatten",
     "inject",
     "load",
     "optim",
+    "split",
     "stack",
     "stack_modules",
     "swap",

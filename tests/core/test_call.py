@@ -131,3 +131,70 @@ def test_compile_fullgraph():
     other["0"]["weight"] = other["0"]["weight"] * 2
     assert torch.allclose(compiled(other, x), ms.call(model, other, x))
     assert isinstance(model[0].weight, nn.Parameter)
+
+
+def bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.BatchNorm1d(4)).eval()
+
+
+def test_a_partial_tree_is_refused_with_fixes_that_work_with_call():
+    model = bn_model()
+    x = torch.randn(5, 3)
+    partial = ms.unflatten(dict(model.named_parameters()))  # the functional_call habit
+    before = snapshot(model)
+    with pytest.raises(KeyError, match=r"'2\.running_mean'.*ms\.split.*ms\.call_partial") as info:
+        ms.call(model, partial, x)
+    assert "strict=False" not in str(info.value)  # call takes no such option
+    assert_unchanged(model, before)
+    # Fix 1: the lenient form.
+    assert torch.equal(ms.call_partial(model, partial, x), model(x))
+    # Fix 2: the tuple split gives.
+    assert torch.equal(ms.call(model, ms.split(model), x), model(x))
+
+
+def test_call_partial_passes_every_other_argument_to_forward():
+    class TakesStrict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("shift", torch.ones(2))
+
+        def forward(self, x, strict=False):
+            return self.lin(x) + (self.shift if strict else 0)
+
+    module = TakesStrict()
+    x = torch.randn(1, 2)
+    weights = {"lin": {"weight": torch.zeros(2, 2)}}
+    assert torch.equal(
+        ms.call_partial(module, weights, x, strict=True), (module.lin.bias + 1).expand(1, 2)
+    )
+    assert torch.equal(ms.call_partial(module, weights, x), module.lin.bias.expand(1, 2))
+
+
+def test_call_partial_refuses_unknown_paths_and_changes_nothing():
+    model = bn_model()
+    before = snapshot(model)
+    with pytest.raises(KeyError, match=r"unknown path '3\.weight'"):
+        ms.call_partial(model, {"3": {"weight": torch.zeros(1)}}, torch.randn(2, 3))
+    assert_unchanged(model, before)
+
+
+def test_call_partial_under_grad():
+    model = bn_model()
+    head = {"0": {"weight": model[0].weight.detach()}}
+    x = torch.randn(5, 3)
+    grads = grad(lambda t: ms.call_partial(model, t, x).sum())(head)
+    assert list(ms.flatten(grads)) == ["0.weight"]
+
+
+def test_none_leaves_in_a_tuple_of_trees_are_holes():
+    model = bn_model()
+    trained, carried = ms.tree.partition(ms.extract(model), ms.tree.is_trainable)
+    x = torch.randn(5, 3)
+    assert torch.equal(ms.call(model, (trained, carried), x), model(x))
+    with ms.inject(model, (trained, carried)):
+        assert torch.equal(model(x), ms.call(model, ms.extract(model), x))
+    with pytest.raises(KeyError, match=r"'2\.running_var'"):
+        carried["2"]["running_var"] = None  # now no tree gives it
+        ms.call(model, (trained, carried), x)

@@ -8,14 +8,24 @@ import torch
 from torch import nn
 
 from .flat import flatten, unflatten
-from .inject import TreeArg, prepare
+from .inject import MissingPaths, TreeArg, prepare
+
+_CALL_FIX = (
+    "call needs every path: give the rest too, e.g. the tuple ms.split(module) returns, "
+    "ms.call(module, (params, state), ...), or use ms.call_partial(module, tree, ...) to keep "
+    "the module's own tensors where the tree has none"
+)
 
 
 def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     """``module(*args, **kwargs)`` computed with the tree's tensors: a stateless call.
 
-    ``tree`` may also be a tuple of trees that together give every path, such as
-    ``(params, buffers)`` when only the parameters go through ``torch.func.grad``.
+    ``tree`` gives every path of the module (strict). It may be a tuple of trees that together
+    give every path, such as ``(params, state)`` from :func:`modstate.split` when only the
+    parameters go through ``torch.func.grad``; a None leaf in one of them is a hole (the halves of
+    ``modstate.tree.partition`` go in as they are). For a partial tree (the
+    ``torch.func.functional_call(model, dict(model.named_parameters()), x)`` habit), use
+    :func:`call_partial`; every other argument goes to ``forward``.
 
     The same as ``with ms.inject(module, tree): return module(*args, **kwargs)`` (strict), made
     fast for repeated calls, and safe under ``torch.func.vmap``, ``grad``, ``jacrev`` and
@@ -27,7 +37,8 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     attributes that ``forward`` assigns (counters, ints, lists, such as the
     ``max_seq_len_cached`` of a Llama with dynamic RoPE); snapshotting every module's
     ``__dict__`` on every call would cost more than the call itself on small models. Call a copy
-    (``copy.deepcopy(module)``) when its forward keeps such state.
+    (``copy.deepcopy(module)``) when its forward keeps such state. In-place buffer updates
+    (BatchNorm in train mode) land in the tree's tensors: :func:`modstate.apply` is the pure form.
 
     >>> import torch, modstate as ms
     >>> lin = torch.nn.Linear(3, 1)
@@ -38,8 +49,11 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     torch.Size([1, 3])
     """
     if torch.compiler.is_compiling():
-        return _call_while_compiling(module, tree, args, kwargs)
-    swap = prepare(module, tree, True)
+        return call_while_compiling(module, tree, args, kwargs, strict=True)
+    try:
+        swap = prepare(module, tree, True, compute=True)
+    except MissingPaths as error:
+        raise MissingPaths(error.paths, _CALL_FIX) from None
     swap.apply()
     try:
         return module(*args, **kwargs)
@@ -47,14 +61,46 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
         swap.undo()
 
 
-def _call_while_compiling(module: nn.Module, tree: TreeArg, args: tuple, kwargs: dict) -> Any:
+def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
+    """Like :func:`call`, but paths the tree leaves out keep the module's own tensors.
+
+    The lenient form, as ``torch.func.functional_call`` behaves: ``tree`` may be partial (say
+    ``dict(model.named_parameters())`` flattened, or only the parameters of one layer), and its
+    shapes and dtypes may differ from the module's (``ms.inject(module, tree, strict=False)``).
+    Unknown paths are still an error. Every argument after ``tree`` goes to ``forward``, so no
+    option of modstate can collide with ``forward``'s keyword arguments.
+
+    >>> import torch, modstate as ms
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
+    >>> params = ms.unflatten(dict(model.named_parameters()))      # no BatchNorm statistics
+    >>> out = ms.call_partial(model, params, torch.randn(2, 3))
+    >>> out.shape
+    torch.Size([2, 4])
+    """
+    if torch.compiler.is_compiling():
+        return call_while_compiling(module, tree, args, kwargs, strict=False)
+    swap = prepare(module, tree, False, compute=True)
+    swap.apply()
+    try:
+        return module(*args, **kwargs)
+    finally:
+        swap.undo()
+
+
+def call_while_compiling(
+    module: nn.Module, tree: TreeArg, args: tuple, kwargs: dict, *, strict: bool
+) -> Any:
+    """``call`` as Dynamo can trace it (``torch.func.functional_call``), holes dropped."""
     # Dynamo traces torch.func.functional_call natively; the swap engine's C-level list passes
     # are opaque to it. functional_call (strict) refuses unknown and missing keys.
     components = list(tree) if isinstance(tree, (tuple, list)) else [tree]
-    flats = [flatten(component) for component in components]
+    flats = [
+        {path: leaf for path, leaf in flatten(component).items() if leaf is not None}
+        for component in components
+    ]
     given = [dict(flat) for flat in flats]
     out = torch.func.functional_call(
-        module, tuple(flats), args, kwargs, tie_weights=True, strict=True
+        module, tuple(flats), args, kwargs, tie_weights=True, strict=strict
     )
     for component, flat, before in zip(components, flats, given):
         changed = {key: value for key, value in flat.items() if value is not before[key]}

@@ -25,6 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from .flat import Tree, is_subtree, unflatten
 from .hooks import Assignment, LoadPlan, plan_load, run_overridden_loads
+from .sharded import Sharding, gathered, loadable
 from .walk import Anatomy, ModuleGuard, anatomy_of, forget
 
 _is = operator.is_
@@ -98,6 +99,39 @@ class Swap:
             self.guard()
 
 
+class UnshardedSwap(Swap):
+    """A swap on a sharded module that computes unsharded: the tree's ``DTensor`` leaves go in
+    gathered (differentiably) and the parallelism's forward hooks are off while it is applied."""
+
+    __slots__ = ("_restore_hooks", "_sharding")
+
+    def __init__(self, prepared: Swap, sharding: Sharding) -> None:
+        super().__init__(
+            prepared.tables,
+            prepared.names,
+            gathered(prepared.values),
+            prepared.olds,
+            prepared.buffers,
+            prepared.targets,
+            prepared.guard,
+            prepared.rebuild,
+        )
+        self._sharding = sharding
+        self._restore_hooks: Callable[[], None] | None = None
+
+    def apply(self) -> None:
+        self._restore_hooks = self._sharding.bypass()
+        super().apply()
+
+    def undo(self) -> None:
+        try:
+            super().undo()
+        finally:
+            restore, self._restore_hooks = self._restore_hooks, None
+            if restore is not None:
+                restore()
+
+
 # -- preparing -------------------------------------------------------------------------------------
 
 
@@ -106,14 +140,20 @@ TreeArg = Mapping[str, Any] | tuple[Mapping[str, Any], ...] | list[Mapping[str, 
 as ``torch.func.functional_call`` accepts a tuple of dicts."""
 
 
-def prepare(module: nn.Module, tree: TreeArg, strict: bool) -> Swap:
-    """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing."""
+def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = False) -> Swap:
+    """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing.
+
+    ``compute=True`` prepares a swap for computing (``call``, ``inject``): on a sharded module
+    (FSDP2, tensor parallel) that is the unsharded computation (see ``sharded.py``)."""
     anatomy = anatomy_of(module)
+    prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
-        fast = _prepare_compiled(anatomy, tree, strict)
-        if fast is not None:
-            return fast
-    return _prepare_by_path(anatomy, tree, strict)
+        prepared = _prepare_compiled(anatomy, tree, strict)
+    if prepared is None:
+        prepared = _prepare_by_path(anatomy, tree, strict)
+    if compute and anatomy.sharding is not None:
+        return UnshardedSwap(prepared, anatomy.sharding)
+    return prepared
 
 
 def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap | None:
@@ -190,11 +230,7 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
     else:
         missing = []
     if missing:
-        shown = ", ".join(repr(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise KeyError(
-            f"the tree has no tensor for {shown} ({len(missing)} missing); pass strict=False to "
-            "keep the module's own tensors there"
-        )
+        raise MissingPaths(missing, "pass strict=False to keep the module's own tensors there")
 
     order = sorted(given)
     tables = [slots[i].table for i in order]
@@ -216,9 +252,24 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
     )
 
 
+class MissingPaths(KeyError):
+    """A strict tree that leaves out some of the module's paths; ``paths`` lists them all."""
+
+    def __init__(self, paths: list[str], fix: str) -> None:
+        self.paths = paths
+        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+        super().__init__(f"the tree has no tensor for {shown} ({len(paths)} missing); {fix}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def leaves_of(tree: TreeArg) -> Iterator[tuple[str, Any, Any, str]]:
     """``(path, leaf, node, key)`` for every leaf of a tree or of several trees, ``node[key]``
-    being where the leaf sits; refuses anything else, and a path given by two trees."""
+    being where the leaf sits; refuses anything else, and a path given by two trees.
+
+    A None leaf is a hole: the path is not given by this tree (the halves that
+    ``modstate.tree.partition`` makes hold None where a leaf went to the other half)."""
     if isinstance(tree, (tuple, list)):
         seen: set[str] = set()
         for component in tree:
@@ -250,7 +301,7 @@ def _leaves_with_parents(
             )
         if is_subtree(key, value):
             yield from _leaves_with_parents(value, f"{prefix}{key}.")
-        else:
+        elif value is not None:
             yield prefix + key, value, tree, key
 
 
@@ -491,7 +542,7 @@ class inject:
             plan, guard = prepare_hooked(self._module, self._tree, self._strict, in_place=False)
             swap: Swap = HookedSwap(plan, self._tree, guard)
         else:
-            swap = prepare(self._module, self._tree, self._strict)
+            swap = prepare(self._module, self._tree, self._strict, compute=True)
         swap.apply()
         self._swap = swap
         return self._module
@@ -526,6 +577,9 @@ def swap(
         prepared: Swap = HookedSwap(plan, tree, None)
     else:
         prepared = prepare(module, tree, strict)
+    sharding = anatomy_of(module).sharding
+    if sharding is not None:
+        sharding.check_swappable(prepared.tables, prepared.names)
     prepared.apply()
     forget(module)
     return prepared.replaced()
@@ -558,6 +612,8 @@ def load(
         prepared = prepare(module, tree, strict)
         _check_copyable(module, prepared)
         currents, values, plan = prepared.olds, prepared.values, None
+    if anatomy_of(module).sharding is not None:
+        values = loadable(currents, values)
     _copy(currents, values)
     if plan is not None:
         for owner, _, state in plan.extra_states:

@@ -12,6 +12,7 @@ from torch.nn.parameter import is_lazy
 
 from modstate._core.call import call
 from modstate._core.flat import Layout, Tree, flatten, unflatten
+from modstate._core.sharded import gathered
 from modstate._core.walk import anatomy_of, buffer_paths
 
 InDims = int | None | tuple[Any, ...] | list[Any]
@@ -76,7 +77,8 @@ def batched_call(
     structure = Structure(list(flat), list(flat.values()), buffer_paths(module))
     out, reassigned = structure.run(
         module,
-        structure.distinct(list(flat.values())),
+        # A stacked tree of DTensors (a sharded module's trees, stacked) runs gathered.
+        gathered(structure.distinct(list(flat.values()))),
         args,
         kwargs,
         in_dims,

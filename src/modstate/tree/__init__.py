@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from modstate.tree._flat import flatten_dict, unflatten_dict
+from modstate.tree._partition import combine, is_float, is_trainable, partition
 from modstate.tree._select import exclude, select
 from modstate.tree._summary import TreeSummary, summary
 from modstate.tree._walk import (
@@ -49,12 +50,16 @@ __all__ = [
     "TreeSummary",
     "add",
     "clone",
+    "combine",
     "detach",
     "exclude",
+    "is_float",
+    "is_trainable",
     "lerp",
     "map",
     "map_with_path",
     "mul",
+    "partition",
     "reshape",
     "select",
     "split",
@@ -340,7 +345,7 @@ def _view_leaf(leaf: Tensor, new: tuple[int, ...], ndim: int) -> Tensor:
 # arithmetic
 
 
-def add(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
+def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """``leaf + alpha * other`` at every leaf, with ``torch.add``'s rules (dtype promotion, alpha).
 
     ``other`` is a Python number, a tensor (broadcast against every leaf), or a tree with the
@@ -353,10 +358,10 @@ def add(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
     """
     if type(alpha) is int and alpha == 1:
         return _binary("add", tree, other, torch.add, torch._foreach_add)
-    return _binary("add", tree, other, lambda a, b: torch.add(a, b, alpha=alpha))
+    return _binary("add", tree, other, _with_alpha(torch.add, alpha))
 
 
-def sub(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
+def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """``leaf - alpha * other`` at every leaf, with ``torch.sub``'s rules; ``other`` as in `add`.
 
     >>> ms.tree.sub({"w": torch.ones(2)}, {"w": torch.ones(2)})
@@ -364,7 +369,28 @@ def sub(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
     """
     if type(alpha) is int and alpha == 1:
         return _binary("sub", tree, other, torch.sub, torch._foreach_sub)
-    return _binary("sub", tree, other, lambda a, b: torch.sub(a, b, alpha=alpha))
+    return _binary("sub", tree, other, _with_alpha(torch.sub, alpha))
+
+
+_FLOAT_ONLY_HINT = (
+    "keep integer leaves (BatchNorm's num_batches_tracked) out: "
+    "floats, ints = ms.tree.partition(tree, ms.tree.is_float)"
+)
+
+
+def _with_alpha(op: Callable[..., Tensor], alpha: Any) -> Callable[[Tensor, Any], Tensor]:
+    """``op(a, b, alpha=alpha)``; torch's refusal of a fractional alpha on integer leaves gets a
+    hint (same error class, so the ops still fail exactly where torch's do)."""
+
+    def leaf_op(leaf: Tensor, other: Any) -> Tensor:
+        try:
+            return op(leaf, other, alpha=alpha)
+        except RuntimeError as error:
+            if "alpha" in str(error) and not (leaf.is_floating_point() or leaf.is_complex()):
+                raise RuntimeError(f"{error} ({leaf.dtype} leaf); {_FLOAT_ONLY_HINT}") from None
+            raise
+
+    return leaf_op
 
 
 def mul(tree: Any, other: Any) -> Any:
@@ -398,6 +424,10 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
         names.append("weight")
 
     def leaf_lerp(leaf: Tensor, *matching: Any) -> Tensor:
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"lerp needs floating-point leaves, this one is {leaf.dtype}; " + _FLOAT_ONLY_HINT
+            )
         leaf_end = matching[0] if end_is_tree else end
         leaf_weight = matching[-1] if weight_is_tree else weight
         return torch.lerp(leaf, leaf_end, leaf_weight)

@@ -27,7 +27,7 @@ APPLY = "apply"  # call it anyway (`map`)
 KEEP = "keep"  # leave it as it is (`clone`, `detach`, `to`)
 REFUSE = "refuse"  # TypeError naming the path (shape and arithmetic ops)
 
-_PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+_PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
 
 
 class AtPath(Exception):

@@ -1,0 +1,153 @@
+"""The pure stateful call: a forward that returns its buffer updates instead of making them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from .call import call
+from .flat import Tree, is_subtree, iter_leaves
+from .walk import anatomy_of
+
+
+def apply(
+    module: nn.Module, params: Tree, state: Tree, /, *args: Any, **kwargs: Any
+) -> tuple[Any, Tree]:
+    """``(module(*args, **kwargs), new_state)`` computed with ``params`` and ``state``, purely.
+
+    ``params`` and ``state`` together give every path of the module, as :func:`modstate.split`
+    returns them (a None leaf is a hole, so the halves of ``modstate.tree.partition`` work too);
+    buffers belong in ``state`` (one in ``params`` is refused).
+    Nothing passed in is mutated: the buffers in ``state`` are copied before ``forward`` runs, so
+    a buffer that ``forward`` updates in place (BatchNorm's running statistics in train mode) or
+    reassigns (``self.count = self.count + 1``) comes back as a new tensor in ``new_state``, which
+    has the structure of ``state``; every other leaf comes back as the very same object. Outputs
+    and new statistics equal the stateful ``module(*args, **kwargs)`` bit for bit, and the module
+    is left exactly as it was.
+
+    Pure, so it composes: ``torch.func.grad(loss, has_aux=True)`` with ``new_state`` as the aux,
+    ``grad_and_value``, ``vjp``, ``torch.vmap`` over stacked ``params`` and ``state`` (each member
+    keeps its own BatchNorm statistics: stack the state too) and ``torch.compile(fullgraph=True)``.
+    Frozen parameters in ``state`` are not copied (``forward`` must not write into parameters).
+    Inside ``torch.compile`` every buffer comes back as a new tensor (a compiled graph cannot
+    tell which of its copies ``forward`` wrote to); the values are the same.
+
+    >>> import torch, modstate as ms
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # train mode
+    >>> params, state = ms.split(model, detach=True)
+    >>> x = torch.randn(8, 3)
+    >>> def loss(params, state):
+    ...     out, new_state = ms.apply(model, params, state, x)
+    ...     return out.square().mean(), new_state
+    >>> grads, new_state = torch.func.grad(loss, has_aux=True)(params, state)
+    >>> int(new_state["1"]["num_batches_tracked"]), int(state["1"]["num_batches_tracked"])
+    (1, 0)
+    >>> new_state["1"]["running_mean"] is state["1"]["running_mean"]
+    False
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"apply: state must be a tree (a dict of tensors), got {type(state).__name__}"
+        )
+    compiling = torch.compiler.is_compiling()
+    # Which paths hold buffers (copied) rather than frozen parameters (passed as they are).
+    if compiling:
+        buffers = {path for path, _ in module.named_buffers(remove_duplicate=False)}
+    else:
+        buffers = {path for path, slot in anatomy_of(module).by_path.items() if slot.is_buffer}
+    _refuse_buffers_in(params, buffers)
+    updated_by_kernel = _statistics_updated_in_train_mode(module)
+    copies: dict[str, tuple[Tensor, int]] = {}
+    work = _copy_buffers(state, "", buffers, copies, compiling)
+    out = call(module, (params, work), *args, **kwargs)
+    new_state = _collect(state, work, "", copies, updated_by_kernel, compiling)
+    return out, new_state
+
+
+def _refuse_buffers_in(params: Any, buffers: set[str]) -> None:
+    components = params if isinstance(params, (tuple, list)) else (params,)
+    for component in components:
+        if not isinstance(component, Mapping):
+            continue  # call names what is wrong with it
+        for path, leaf in iter_leaves(component):
+            if leaf is not None and path in buffers:
+                raise ValueError(
+                    f"apply: {path!r} is a buffer, given in params: forward may update it, so "
+                    "it belongs in state, which apply copies and returns updated; split with "
+                    "ms.split(module) or ms.tree.partition(ms.extract(module), ms.tree.is_trainable)"
+                )
+
+
+def _copy_buffers(
+    node: Mapping[str, Any],
+    prefix: str,
+    buffers: set[str],
+    copies: dict[str, tuple[Tensor, int]],
+    compiling: bool,
+) -> dict[str, Any]:
+    """A new nested dict like ``node`` with a clone of every buffer leaf (recorded in ``copies``
+    with its version counter, which in-place ops with a mutating schema bump)."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if is_subtree(key, value):
+            out[key] = _copy_buffers(value, f"{prefix}{key}.", buffers, copies, compiling)
+        elif isinstance(value, Tensor) and prefix + key in buffers:
+            copy = value.clone()
+            copies[prefix + key] = (copy, 0 if compiling else _version(copy))
+            out[key] = copy
+        else:
+            out[key] = value
+    return out
+
+
+def _collect(
+    state: Mapping[str, Any],
+    work: dict[str, Any],
+    prefix: str,
+    copies: dict[str, tuple[Tensor, int]],
+    updated_by_kernel: set[str],
+    compiling: bool,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, original in state.items():
+        now = work[key]
+        path = prefix + key
+        if is_subtree(key, original):
+            out[key] = _collect(original, now, f"{path}.", copies, updated_by_kernel, compiling)
+        elif path not in copies:
+            out[key] = now
+        else:
+            copy, version = copies[path]
+            if now is not copy:  # forward reassigned the buffer; call wrote it back into work
+                out[key] = now
+            elif compiling or path in updated_by_kernel or _version(copy) != version:
+                out[key] = copy
+            else:
+                out[key] = original
+    return out
+
+
+def _version(tensor: Tensor) -> int:
+    # Under torch.func transforms the counter that moves is the wrapped tensor's.
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor._version
+
+
+def _statistics_updated_in_train_mode(module: nn.Module) -> set[str]:
+    """Paths of the running statistics that norm kernels update in place in train mode.
+
+    The batch-norm kernels write ``running_mean`` / ``running_var`` without bumping their version
+    counter (the schema of ``native_batch_norm`` does not mark them mutable), so they are named
+    here rather than detected.
+    """
+    paths = set()
+    for prefix, owner in module.named_modules():
+        if isinstance(owner, _NormBase) and owner.training and owner.track_running_stats:
+            dot = f"{prefix}." if prefix else ""
+            paths.update((f"{dot}running_mean", f"{dot}running_var"))
+    return paths
