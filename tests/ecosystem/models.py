@@ -234,7 +234,7 @@ def params(models: list[Model] = MODELS, *, leave_out: set[str] = frozenset()) -
         marks = list(model.marks)
         try:
             __import__(model.library)
-        except ImportError as error:
+        except (ImportError, RuntimeError, OSError) as error:  # not installed, or cannot load
             marks.append(pytest.mark.skip(reason=f"{model.library} is not importable: {error}"))
         out.append(pytest.param(model, id=model.name, marks=marks))
     return out

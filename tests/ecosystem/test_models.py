@@ -199,6 +199,10 @@ def test_our_checkpoint_round_trips(spec, use_state_dict, tmp_path):
     assert torch.equal(run(spec, fresh), run(spec, model))
     after = snapshot(fresh)  # same objects and flags; only values changed
     assert {k: v[:2] for k, v in after.items()} == {k: v[:2] for k, v in before.items()}
+    if use_state_dict:  # the ecosystem reads our file: it is plain safetensors, state_dict keys
+        other = spec.build(seed=2)
+        safetensors.torch.load_model(other, str(path))
+        assert torch.equal(run(spec, other), run(spec, model))
 
 
 def ecosystem_files(spec: Model, model: nn.Module, folder) -> dict[str, dict]:

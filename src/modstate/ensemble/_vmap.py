@@ -11,10 +11,9 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from modstate._core.call import call
-from modstate._core.extract import extract
 from modstate._core.flat import Layout, Tree, flatten, unflatten
 from modstate._core.sharded import gathered
-from modstate._core.walk import buffer_paths
+from modstate._core.walk import anatomy_of, buffer_paths
 
 InDims = int | None | tuple[Any, ...] | list[Any]
 
@@ -215,13 +214,14 @@ class Structure:
 def _check_stacked(module: nn.Module, flat: dict[str, Any]) -> None:
     """Refuse a tree whose leaves are not the module's tensors with a leading member dim; say so
     when it is an unstacked tree (leaves of the module's own shapes)."""
-    own = flatten(extract(module))
+    slots = anatomy_of(module).by_path
     wrong = []
     for path, leaf in flat.items():
-        mine = own.get(path)
-        if not isinstance(leaf, Tensor) or not isinstance(mine, Tensor) or is_lazy(mine):
-            continue
-        if leaf.dim() == 0 or leaf.shape[1:] != mine.shape:
+        slot = slots.get(path)
+        if slot is None or not isinstance(leaf, Tensor):
+            continue  # call names unknown paths and non-tensors
+        mine = slot.get()
+        if not is_lazy(mine) and (leaf.dim() == 0 or leaf.shape[1:] != mine.shape):
             wrong.append((path, leaf, mine))
     if not wrong:
         return

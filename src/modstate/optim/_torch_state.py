@@ -233,8 +233,9 @@ def _laid_out_like(param: Tensor, entries: dict[str, Any]) -> dict[str, Any]:
     """Full plain tensors (a checkpoint read as saved) laid out like their DTensor parameter."""
     if not _is_dtensor(param):
         return entries
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    assert isinstance(param, DTensor)
     return {
         key: distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
         if isinstance(value, Tensor) and not _is_dtensor(value) and value.shape == param.shape
