@@ -1,4 +1,4 @@
-.PHONY: install test lint bench demo
+.PHONY: install test lint format docs docs-check typecheck build bench demo
 
 install:
 	python -m pip install torch==2.13.0 && python -m pip install -e ".[test,bench]"
@@ -7,7 +7,27 @@ test:
 	python -m pytest
 
 lint:
-	python -m ruff check src tests benchmarks && python -m ruff format --check src tests benchmarks
+	python -m ruff check src tests benchmarks docs/_tools && python -m ruff format --check src tests benchmarks docs/_tools
+
+format:
+	python -m ruff format src tests benchmarks docs/_tools
+
+# The API reference site, into site/ (needs the docs extra: pip install -e ".[docs]").
+docs:
+	NO_MKDOCS_2_WARNING=1 python -m mkdocs build
+
+# The same with every warning an error (broken links and anchors included), then check that
+# every public name has its entry.
+docs-check:
+	NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict && python docs/_tools/check_site.py site
+
+# mypy and pyright on the public API and on README's examples (needs the typecheck extra).
+typecheck:
+	python .ci/typecheck.py
+
+# sdist and wheel into dist/, checked by twine (needs the release extra).
+build:
+	rm -rf dist && python -m build && python -m twine check --strict dist/*
 
 bench:
 	python -m modstate bench

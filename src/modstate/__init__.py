@@ -3,7 +3,7 @@
 >>> import torch, modstate as ms
 >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
 >>> tree = ms.extract(model)                 # {"0": {"weight": ..., "bias": ...}, "2": {...}}
->>> ms.flatten(tree).keys() == model.state_dict().keys()
+>>> ms.flatten(tree).keys() == model.state_dict().keys()  # and the non-persistent buffers
 True
 >>> out = ms.call(model, ms.extract(model, detach=True), torch.randn(2, 3))
 """

@@ -41,3 +41,49 @@ def test_bad_usage_gives_a_usage_message_and_no_traceback(argv, capsys):
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "usage: modstate" in capsys.readouterr().out
+
+
+def test_version_names_the_package_version():
+    import modstate
+
+    result = run("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"modstate {modstate.__version__}"
+
+
+def test_bench_help_says_it_needs_a_source_checkout():
+    assert "source checkout" in run("--help").stdout
+
+
+def test_demo_states_its_task_first():
+    result = run("demo", "--members", "2", "--steps", "5", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("task: fit y = sin(2x) + 0.3x")
+
+
+def test_demo_with_one_member_reads_right_and_measures_no_spread():
+    result = run("demo", "--members", "1", "--steps", "300", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "1 member x 300 steps" in out and "1 members" not in out
+    assert "nan" not in out and "spread (std)" not in out
+    assert "ensemble mean" not in out
+    assert "one member has no spread to measure" in out
+
+
+def test_a_short_run_makes_no_claim_about_where_the_data_is():
+    result = run("demo", "--members", "4", "--steps", "20", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "not fitted yet" in result.stdout
+    assert "disagree" not in result.stdout and "spread (std)" not in result.stdout
+
+
+def test_verdicts_follow_the_numbers():
+    from modstate.cli._demo import verdicts
+
+    assert "not fitted yet" in verdicts(8, fit_mse=0.2, spread_in=0.1, spread_out=0.5)[0]
+    fitted = verdicts(8, fit_mse=0.02, spread_in=0.05, spread_out=0.15)
+    assert fitted[0].startswith("fitted") and "disagree where there is no data" in fitted[1]
+    flat = verdicts(8, fit_mse=0.02, spread_in=0.05, spread_out=0.06)
+    assert "no clear sign" in flat[1] and "disagree" not in flat[1]
+    assert "no spread" in verdicts(1, fit_mse=0.02, spread_in=0.0, spread_out=0.0)[1]

@@ -492,11 +492,12 @@ def test_ensemble_dropout_masks(fast):
     reference = loop([m.eval() for m in models], x)
     for m in models:
         m.train()
-    out = ms.Ensemble(models, fast=fast)(x)
+    out = ms.Ensemble(models, randomness="different", fast=fast)(x)
     assert not torch.equal(out[0] == 0, out[1] == 0)
     same = ms.Ensemble(models, randomness="same", fast=fast)(x)
     assert torch.equal(same[0], same[2])
-    refuses = ms.Ensemble(models, randomness="error", fast=fast)
+    refuses = ms.Ensemble(models, fast=fast)  # the default, as vmap_call's: "error"
+    assert refuses.randomness == "error"
     with pytest.raises(RuntimeError, match="randomness"):
         refuses(x)
     refuses.eval()  # no randomness in eval mode

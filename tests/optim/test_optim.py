@@ -510,7 +510,7 @@ def test_trees_that_do_not_fit_name_the_path():
         opt.step(params, missing, state)
 
     wrong_shape = {**grads, "head": {"weight": torch.ones(4, 2)}}
-    with pytest.raises(ValueError, match=r"grads at 'head\.weight' is shape \(4, 2\)"):
+    with pytest.raises(ValueError, match=r"grads at 'head\.weight' has shape \(4, 2\)"):
         opt.step(params, wrong_shape, state)
 
     with pytest.raises(ValueError, match="keeps"):

@@ -44,7 +44,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=True)
     try:
-        swap = prepare(module, tree, True)
+        swap = prepare(module, tree, True, compute=True)
     except MissingPaths as error:
         raise MissingPaths(error.paths, _CALL_FIX) from None
     swap.apply()
@@ -72,7 +72,7 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     """
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=False)
-    swap = prepare(module, tree, False)
+    swap = prepare(module, tree, False, compute=True)
     swap.apply()
     try:
         return module(*args, **kwargs)

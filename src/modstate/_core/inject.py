@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from .flat import Tree, is_subtree, unflatten
-from .hooks import LoadPlan, plan_load, run_overridden_loads
+from .hooks import Assignment, LoadPlan, plan_load, run_overridden_loads
+from .sharded import Sharding, gathered, loadable
 from .walk import Anatomy, ModuleGuard, anatomy_of, forget
 
 _is = operator.is_
@@ -98,6 +99,39 @@ class Swap:
             self.guard()
 
 
+class UnshardedSwap(Swap):
+    """A swap on a sharded module that computes unsharded: the tree's ``DTensor`` leaves go in
+    gathered (differentiably) and the parallelism's forward hooks are off while it is applied."""
+
+    __slots__ = ("_restore_hooks", "_sharding")
+
+    def __init__(self, prepared: Swap, sharding: Sharding) -> None:
+        super().__init__(
+            prepared.tables,
+            prepared.names,
+            gathered(prepared.values),
+            prepared.olds,
+            prepared.buffers,
+            prepared.targets,
+            prepared.guard,
+            prepared.rebuild,
+        )
+        self._sharding = sharding
+        self._restore_hooks: Callable[[], None] | None = None
+
+    def apply(self) -> None:
+        self._restore_hooks = self._sharding.bypass()
+        super().apply()
+
+    def undo(self) -> None:
+        try:
+            super().undo()
+        finally:
+            restore, self._restore_hooks = self._restore_hooks, None
+            if restore is not None:
+                restore()
+
+
 # -- preparing -------------------------------------------------------------------------------------
 
 
@@ -106,14 +140,20 @@ TreeArg = Mapping[str, Any] | tuple[Mapping[str, Any], ...] | list[Mapping[str, 
 as ``torch.func.functional_call`` accepts a tuple of dicts."""
 
 
-def prepare(module: nn.Module, tree: TreeArg, strict: bool) -> Swap:
-    """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing."""
+def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = False) -> Swap:
+    """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing.
+
+    ``compute=True`` prepares a swap for computing (``call``, ``inject``): on a sharded module
+    (FSDP2, tensor parallel) that is the unsharded computation (see ``sharded.py``)."""
     anatomy = anatomy_of(module)
+    prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
-        fast = _prepare_compiled(anatomy, tree, strict)
-        if fast is not None:
-            return fast
-    return _prepare_by_path(anatomy, tree, strict)
+        prepared = _prepare_compiled(anatomy, tree, strict)
+    if prepared is None:
+        prepared = _prepare_by_path(anatomy, tree, strict)
+    if compute and anatomy.sharding is not None:
+        return UnshardedSwap(prepared, anatomy.sharding)
+    return prepared
 
 
 def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap | None:
@@ -184,10 +224,13 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
             given[i] = (first, node, key)
 
     if strict and len(given) < len(slots):
-        raise MissingPaths(
-            [slot.path for i, slot in enumerate(slots) if i not in given],
-            "pass strict=False to keep the module's own tensors there",
-        )
+        # Non-persistent buffers are not part of a checkpoint (state_dict leaves them out): a
+        # tree with state_dict's keys is complete, and the module keeps its own there.
+        missing = [slot.path for i, slot in enumerate(slots) if i not in given and slot.persistent]
+    else:
+        missing = []
+    if missing:
+        raise MissingPaths(missing, "pass strict=False to keep the module's own tensors there")
 
     order = sorted(given)
     tables = [slots[i].table for i in order]
@@ -383,11 +426,39 @@ def prepare_hooked(
     guard = ModuleGuard(anatomy.guarded)
     try:
         plan = plan_load(module, flat, strict=strict, in_place=in_place)
+        _fill_ties(anatomy, plan)
         _judge(plan, strict, check_dtypes=strict and not in_place)
     except BaseException:
         guard.restore()
         raise
     return plan, guard
+
+
+def _fill_ties(anatomy: Anatomy, plan: LoadPlan) -> None:
+    """A tied path that the tree leaves out gets its group's tensor, and is not missing.
+
+    Files written by ``save_pretrained`` or ``safetensors.torch.save_model`` hold each tie group
+    once; ``load_state_dict`` would call the other paths missing, and filling only the given one
+    would untie the group while it is injected."""
+    if not anatomy.tie_groups or not plan.missing:
+        return
+    given = {a.key: a for a in plan.assignments}
+    missing = set(plan.missing)
+    filled = set()
+    for group in anatomy.tie_groups:
+        paths = [anatomy.slots[i].path for i in group]
+        source = next((given[p] for p in paths if p in given), None)
+        if source is None:
+            continue
+        for i in group:
+            slot = anatomy.slots[i]
+            if slot.path in missing:
+                plan.assignments.append(
+                    Assignment(slot.table, slot.name, slot.path, source.value, slot.is_buffer)
+                )
+                filled.add(slot.path)
+    if filled:
+        plan.missing[:] = [key for key in plan.missing if key not in filled]
 
 
 def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
@@ -426,7 +497,8 @@ class inject:
     (BatchNorm statistics) land in the tree's tensors.
 
     ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
-    shapes and dtypes. ``strict=False``: a partial tree (missing paths keep the module's tensors),
+    shapes and dtypes; non-persistent buffers may be left out (``state_dict`` leaves them out; the
+    module keeps its own there), and so may the other paths of a tie group given once. ``strict=False``: a partial tree (missing paths keep the module's tensors),
     other shapes and dtypes. Unknown paths are always an error; a refused tree changes nothing.
     Where the module holds one tensor at several paths (tied weights), one path sets them all;
     giving different tensors at two of them is an error. The tensor at the first of the paths (in
@@ -467,7 +539,7 @@ class inject:
             plan, guard = prepare_hooked(self._module, self._tree, self._strict, in_place=False)
             swap: Swap = HookedSwap(plan, self._tree, guard)
         else:
-            swap = prepare(self._module, self._tree, self._strict)
+            swap = prepare(self._module, self._tree, self._strict, compute=True)
         swap.apply()
         self._swap = swap
         return self._module
@@ -502,6 +574,9 @@ def swap(
         prepared: Swap = HookedSwap(plan, tree, None)
     else:
         prepared = prepare(module, tree, strict)
+    sharding = anatomy_of(module).sharding
+    if sharding is not None:
+        sharding.check_swappable(prepared.tables, prepared.names)
     prepared.apply()
     forget(module)
     return prepared.replaced()
@@ -534,6 +609,8 @@ def load(
         prepared = prepare(module, tree, strict)
         _check_copyable(module, prepared)
         currents, values, plan = prepared.olds, prepared.values, None
+    if anatomy_of(module).sharding is not None:
+        values = loadable(currents, values)
     _copy(currents, values)
     if plan is not None:
         for owner, _, state in plan.extra_states:

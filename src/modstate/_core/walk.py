@@ -25,6 +25,8 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
+from .sharded import Sharding, sharding_of
+
 _getitem = operator.getitem
 _is = operator.is_
 _HOOK_DICTS = (
@@ -111,6 +113,7 @@ class Anatomy:
         self.template: dict[str, Any] = template or {}
         self.by_path = {slot.path: slot for slot in self.slots}
         self.module_paths = {prefix for prefix, _ in modules}
+        self.sharding: Sharding | None = sharding_of(modules, [s.get() for s in self.slots])
         self._guarded = [weakref.ref(m) for m in guarded]
 
         holders: dict[int, list[int]] = {}

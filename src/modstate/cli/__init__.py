@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from modstate import __version__
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="modstate",
         description="PyTorch model state as JAX-style pytrees.",
     )
+    parser.add_argument("--version", action="version", version=f"modstate {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = commands.add_parser(
@@ -25,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="run the benchmark suites and print the side-by-side report",
+        help="run the benchmark suites and print the side-by-side report "
+        "(needs a source checkout: the suites live in its benchmarks/ folder)",
         add_help=False,
     )
     bench.add_argument("args", nargs=argparse.REMAINDER)

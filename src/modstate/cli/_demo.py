@@ -60,8 +60,14 @@ def run(*, members: int = 8, steps: int = 300, seed: int = 0, progress: bool = T
 
     member_step = vmap(grad(loss), in_dims=(0, 0, 0))
     generator = torch.Generator().manual_seed(seed + 1)
+    print(task_line(members))
     started = time.perf_counter()
-    bar = tqdm(range(steps), desc=f"training {members} members", disable=not progress, unit="step")
+    bar = tqdm(
+        range(steps),
+        desc=f"training {_plural(members, 'member')}",
+        disable=not progress,
+        unit="step",
+    )
     for _ in bar:
         # Each member sees its own minibatches: a bootstrap that makes the members differ.
         index = torch.randint(0, TRAIN_POINTS, (members, BATCH), generator=generator)
@@ -90,31 +96,77 @@ def _mse(prediction: torch.Tensor, target: torch.Tensor) -> float:
     return float(torch.mean((prediction - target) ** 2))
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+# The ensemble mean "fits the data" when its error inside the training range is below this: the
+# clean target's variance there is about 0.8, the label noise's 0.01.
+FIT_MSE = 0.05
+# Members "disagree where there is no data" when their spread outside the training range is at
+# least this many times their spread inside it.
+SPREAD_RATIO = 1.5
+
+
+def task_line(members: int) -> str:
+    """The one line that says what the demo does."""
+    who = "1 MLP" if members == 1 else f"{members} MLPs trained at once"
+    return (
+        f"task: fit y = sin(2x) + 0.3x to {TRAIN_POINTS} noisy points on [-3, 3] with {who}, "
+        "then predict on [-4, 4]"
+    )
+
+
+def verdicts(members: int, fit_mse: float, spread_in: float, spread_out: float) -> list[str]:
+    """What the numbers support, and nothing more."""
+    who = "the model's" if members == 1 else "the ensemble's"
+    if fit_mse > FIT_MSE:
+        return [
+            f"not fitted yet: {who} MSE inside the training range is {fit_mse:.3f} "
+            f"(above {FIT_MSE}); train longer (--steps) before reading anything into it"
+        ]
+    lines = [f"fitted: {who} MSE inside the training range is {fit_mse:.3f}"]
+    if members == 1:
+        lines.append("one member has no spread to measure: use --members 2 or more")
+        return lines
+    ratio = spread_out / spread_in if spread_in > 0 else math.inf
+    spread = (
+        f"members' spread (std): {spread_in:.3f} inside the training range, {spread_out:.3f} "
+        f"outside ({ratio:.1f}x)"
+    )
+    if ratio >= SPREAD_RATIO:
+        lines.append(f"{spread}: they disagree where there is no data")
+    else:
+        lines.append(f"{spread}: no clear sign of where the data ends")
+    return lines
+
+
 def _report(data, test, test_ema, members: int, steps: int, elapsed: float) -> None:
     y = data["y_test"]
     inside = (data["x_test"].abs() <= 3).squeeze(1)
     rows = [
         (f"member {i}", _mse(test[i], y), _mse(test[i][inside], y[inside])) for i in range(members)
     ]
-    rows.append(("ensemble mean", _mse(test.mean(0), y), _mse(test.mean(0)[inside], y[inside])))
+    mean = test.mean(0)
     mean_ema = test_ema.mean(0)
-    rows.append(
-        ("ensemble mean, EMA weights", _mse(mean_ema, y), _mse(mean_ema[inside], y[inside]))
-    )
-    spread_in = float(test.std(0)[inside].mean())
-    spread_out = float(test.std(0)[~inside].mean())
+    if members > 1:
+        rows.append(("ensemble mean", _mse(mean, y), _mse(mean[inside], y[inside])))
+        rows.append(
+            ("ensemble mean, EMA weights", _mse(mean_ema, y), _mse(mean_ema[inside], y[inside]))
+        )
+    else:
+        rows.append(("member 0, EMA weights", _mse(mean_ema, y), _mse(mean_ema[inside], y[inside])))
 
-    print(f"\n{members} members x {steps} steps in {elapsed:.1f} s (functional loop, one vmap)")
+    print(
+        f"\n{_plural(members, 'member')} x {_plural(steps, 'step')} in {elapsed:.1f} s "
+        "(functional loop, one vmap)"
+    )
     print(f"{'':28}{'test MSE':>12}{'MSE |x|<=3':>14}")
     for name, everywhere, within in rows:
         print(f"{name:28}{everywhere:12.4f}{within:14.4f}")
-    ratio = spread_out / spread_in if spread_in > 0 else math.inf
-    verdict = (
-        ": the ensemble knows where it has not seen data"
-        if ratio > 1.5
-        else " (train longer for the members to agree where there is data)"
-    )
-    print(
-        f"members' spread (std): {spread_in:.3f} inside the training range, {spread_out:.3f} "
-        f"outside ({ratio:.1f}x){verdict}"
-    )
+    spread_in = spread_out = 0.0
+    if members > 1:
+        spread_in = float(test.std(0)[inside].mean())
+        spread_out = float(test.std(0)[~inside].mean())
+    for line in verdicts(members, _mse(mean[inside], y[inside]), spread_in, spread_out):
+        print(line)

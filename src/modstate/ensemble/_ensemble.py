@@ -47,8 +47,10 @@ class Ensemble(nn.Module):
     statistics update per member). ``fast=False`` runs the whole model under vmap (the reference
     path). ``compile=True`` wraps the forward in ``torch.compile(dynamic=False)`` (a new input
     shape compiles again); eager is faster for small models, where guards cost more than they
-    save. ``randomness`` is vmap's:
-    with the default ``"different"`` dropout draws an independent mask per member. A layer with
+    save. ``randomness`` is vmap's, with
+    the default of :func:`vmap_call` and ``torch.vmap``, ``"error"``: a random op in a member
+    (dropout in training mode) is refused until you choose ``"different"`` (an independent mask
+    per member, like a loop over the models) or ``"same"`` (one mask shared by all). A layer with
     hooks of its own runs under vmap, so that its hooks run; the plan is made once, when the
     ensemble is built (global module hooks are not seen by the batched kernels).
 
@@ -72,7 +74,7 @@ class Ensemble(nn.Module):
         *,
         compile: bool = False,
         in_dims: InDims = None,
-        randomness: str = "different",
+        randomness: str = "error",
         fast: bool = True,
     ) -> None:
         super().__init__()
@@ -145,6 +147,12 @@ class Ensemble(nn.Module):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         plan = self._plan
         if plan is not None and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            if not self._shared and (args[0].dim() == 0 or args[0].shape[0] != self.count):
+                got = args[0].shape[0] if args[0].dim() else "no"
+                raise ValueError(
+                    f"input 0 has {got} members along dim 0 (in_dims), but the ensemble has "
+                    f"{self.count}: give one slice per member, or in_dims=None to share the input"
+                )
             return plan(args[0], self._shared)
         return self._vmapped(args, kwargs, self._in_dims)
 
@@ -224,13 +232,27 @@ class Ensemble(nn.Module):
 
 def _private_copy(module: nn.Module) -> nn.Module:
     """``copy.deepcopy(module)``, also for modules that keep a computed tensor in ``__dict__``
-    (legacy ``weight_norm`` / ``spectral_norm`` after a forward), which deepcopy refuses."""
+    (legacy ``weight_norm`` / ``spectral_norm`` after a forward), which deepcopy refuses.
+
+    The copy has the original's flags whatever its ``__deepcopy__`` does (some re-run
+    ``__init__`` and come back in training mode, as torchvision's feature extractors do): every
+    submodule's ``training`` and every tensor's ``requires_grad`` are set from the original."""
     memo: dict[int, Any] = {}
     for owner in module.modules():
         for value in vars(owner).values():
             if isinstance(value, Tensor) and not value.is_leaf:
                 memo[id(value)] = value.detach().clone()
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    originals = dict(module.named_modules(remove_duplicate=False))
+    for path, owner in copied.named_modules(remove_duplicate=False):
+        if path in originals:
+            owner.training = originals[path].training
+    flags = {name: p.requires_grad for name, p in module.named_parameters(remove_duplicate=False)}
+    for name, parameter in copied.named_parameters(remove_duplicate=False):
+        wanted = flags.get(name)
+        if wanted is not None and parameter.requires_grad != wanted:
+            parameter.requires_grad_(wanted)
+    return copied
 
 
 def _register_stacked(root: nn.Module, template: nn.Module, stacked: dict[str, Any]) -> None:

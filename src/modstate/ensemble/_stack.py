@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from modstate._core.extract import extract
@@ -16,8 +17,9 @@ from modstate._core.flat import Tree, flatten, unflatten
 def stack(trees: Sequence[Tree]) -> Tree:
     """Stack N trees of the same structure into one tree whose leaves have a leading dim N.
 
-    Stacked leaves are new leaf tensors (no autograd link to the inputs); a leaf stacked from
-    tensors that required grad requires grad. Ties are kept: where every tree holds one tensor at
+    Stacked leaves are new leaf tensors (no autograd link to the inputs) with the members'
+    ``requires_grad``; members that disagree on it at a path are refused (stacking a frozen weight
+    with a trainable one would make it trainable), as are uninitialized lazy parameters. Ties are kept: where every tree holds one tensor at
     several paths, the stacked tree holds one stacked tensor at those paths. Non-tensor leaves
     (``_extra_state``) must be equal in every tree and are kept once. Errors name the first path
     where a tree differs from the first one.
@@ -57,7 +59,7 @@ def _stack(trees: list[Tree], noun: str) -> Tree:
             members = [flat[path] for flat in flats]
             with torch.no_grad():
                 stacked = torch.stack([m.detach() for m in members])
-            out[path] = stacked.requires_grad_(any(m.requires_grad for m in members))
+            out[path] = stacked.requires_grad_(leaf.requires_grad)
         else:
             out[path] = leaf
     return unflatten(out)
@@ -158,6 +160,12 @@ def _check_same_paths(first: dict[str, Any], other: dict[str, Any], index: int, 
 
 
 def _check_stackable(path: str, leaf: Any, members: list[Any], noun: str) -> None:
+    for i, member in enumerate(members):
+        if isinstance(member, Tensor) and is_lazy(member):
+            raise ValueError(
+                f"{path!r} is not initialized yet in {noun} {i} (a lazy module): run each "
+                f"{noun} once on an example input, which gives it its shapes, then stack"
+            )
     for i, other in enumerate(members[1:], 1):
         if isinstance(leaf, Tensor) != isinstance(other, Tensor):
             raise TypeError(
@@ -168,6 +176,12 @@ def _check_stackable(path: str, leaf: Any, members: list[Any], noun: str) -> Non
             if not _equal_values(leaf, other):
                 raise ValueError(f"{path!r}: the non-tensor value differs in {noun} {i}")
             continue
+        if other.requires_grad != leaf.requires_grad:
+            raise ValueError(
+                f"{path!r}: requires_grad is {other.requires_grad} in {noun} {i}, "
+                f"{leaf.requires_grad} in {noun} 0; freeze or unfreeze it in every {noun} first "
+                "(stacking would make one flag hold for all)"
+            )
         for what in ("shape", "dtype", "device"):
             mine, theirs = getattr(leaf, what), getattr(other, what)
             if mine != theirs:
@@ -184,20 +198,34 @@ def _equal_values(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _module_layout(module: nn.Module) -> list[tuple[str, type, bool]]:
+Kind = tuple[type, str | None]
+"""A submodule's class, and for a ``torch.fx.GraphModule`` the Python code it runs."""
+
+
+def _module_layout(module: nn.Module) -> list[tuple[str, Kind, bool]]:
     return [(path, _kind(m), m.training) for path, m in module.named_modules()]
 
 
-def _kind(module: nn.Module) -> type:
+def _kind(module: nn.Module) -> Kind:
     # torch.nn.utils.parametrize gives every parametrized module a class of its own, made on the
     # fly from the original class: compare that one (the parametrizations are submodules).
     if parametrize.is_parametrized(module):
-        return type(module).__bases__[0]
-    return type(module)
+        return type(module).__bases__[0], None
+    # torch.fx makes a new GraphModule class per instance and per copy: what makes two graph
+    # modules the same computation is the code generated from their graphs.
+    if isinstance(module, torch.fx.GraphModule):
+        return torch.fx.GraphModule, module.code
+    return type(module), None
+
+
+def _class_names(kind: type, other: type) -> tuple[str, str]:
+    if kind.__name__ != other.__name__:
+        return kind.__name__, other.__name__
+    return f"{kind.__module__}.{kind.__qualname__}", f"{other.__module__}.{other.__qualname__}"
 
 
 def _check_same_modules(
-    first: list[tuple[str, type, bool]], other: list[tuple[str, type, bool]], index: int
+    first: list[tuple[str, Kind, bool]], other: list[tuple[str, Kind, bool]], index: int
 ) -> None:
     for (path, kind, training), (other_path, other_kind, other_training) in zip(first, other):
         name = repr(path) if path else "the root"
@@ -205,10 +233,13 @@ def _check_same_modules(
             raise ValueError(
                 f"module {index} has a submodule at {other_path!r} where module 0 has {path!r}"
             )
-        if kind is not other_kind:
+        if kind[0] is not other_kind[0]:
+            mine, theirs = _class_names(kind[0], other_kind[0])
+            raise TypeError(f"{name}: module {index} is a {theirs} there, module 0 a {mine}")
+        if kind[1] != other_kind[1]:
             raise TypeError(
-                f"{name}: module {index} is a {other_kind.__name__} there, module 0 a "
-                f"{kind.__name__}"
+                f"{name}: module {index} and module 0 are torch.fx GraphModules whose generated "
+                "code differs (compare their .code): they compute different things"
             )
         if training != other_training:
             raise ValueError(

@@ -8,9 +8,12 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from modstate._core.call import call
+from modstate._core.extract import extract
 from modstate._core.flat import Layout, Tree, flatten, unflatten
+from modstate._core.sharded import gathered
 from modstate._core.walk import buffer_paths
 
 InDims = int | None | tuple[Any, ...] | list[Any]
@@ -33,8 +36,14 @@ def vmap_call(
     ``in_dims=0``: each positional input has one slice per member along dim 0; a tuple gives one
     entry per positional input, as in ``torch.vmap`` (``None`` shares that input). Keyword
     arguments are shared by every member. ``randomness`` (``"error"``, ``"different"``,
-    ``"same"``) and ``chunk_size`` are ``torch.vmap``'s: with ``"different"``, dropout draws a
-    different mask for every member.
+    ``"same"``) and ``chunk_size`` are ``torch.vmap``'s. One rule for ``vmap_call`` and
+    ``Ensemble``: the default is torch.vmap's ``"error"`` (a random op in a member, such as
+    dropout in training mode, is refused); ``"different"`` draws independently for every member,
+    as a loop over the models would, ``"same"`` draws once for all.
+
+    The tree is checked before anything runs: every leaf must be the module's tensor with one
+    leading member dim, and every input mapped by ``in_dims`` must have as many members; errors
+    name the leaf or the input and both counts, and an unstacked tree is recognized as such.
 
     In-place updates in ``forward`` land in the stacked tensors (BatchNorm's running statistics,
     one per member); a buffer that ``forward`` reassigns is written back into ``stacked``, stacked.
@@ -65,10 +74,12 @@ def batched_call(
             f"expected a stacked tree (a dict of tensors), got {type(stacked).__name__}"
         )
     flat = flatten(stacked)
+    _check_stacked(module, flat)
     structure = Structure(list(flat), list(flat.values()), buffer_paths(module))
     out, reassigned = structure.run(
         module,
-        structure.distinct(list(flat.values())),
+        # A stacked tree of DTensors (a sharded module's trees, stacked) runs gathered.
+        gathered(structure.distinct(list(flat.values()))),
         args,
         kwargs,
         in_dims,
@@ -136,6 +147,7 @@ class Structure:
             self.buffers,
         )
         arg_dims = _argument_dims(in_dims, len(args))
+        self.check_counts(distinct, args, arg_dims, count)
         if not distinct and all(d is None for d in arg_dims):
             if count is None:
                 raise ValueError(
@@ -158,6 +170,73 @@ class Structure:
         return torch.vmap(
             member, in_dims=(0, *arg_dims), randomness=randomness, chunk_size=chunk_size
         )(distinct, *args)
+
+    def check_counts(
+        self,
+        distinct: list[Tensor],
+        args: tuple[Any, ...],
+        arg_dims: tuple[Any, ...],
+        count: int | None,
+    ) -> None:
+        """Refuse, before vmap runs, a leaf or an input whose member count differs from the
+        others', naming both and their counts."""
+        first_path = None
+        if count is None and distinct:
+            first_path = self.paths[self.where.index(0)]
+            count = distinct[0].shape[0] if distinct[0].dim() else 0
+        for index, tensor in enumerate(distinct):
+            members = tensor.shape[0] if tensor.dim() else 0
+            if members != count:
+                path = self.paths[self.where.index(index)]
+                against = (
+                    f"{first_path!r} has {count}" if first_path else f"the ensemble has {count}"
+                )
+                raise ValueError(
+                    f"{path!r} has {members} members along dim 0, {against}: every leaf of a "
+                    "stacked tree needs the same leading member dim"
+                )
+        if count is None:
+            return
+        for position, (arg, dim) in enumerate(zip(args, arg_dims)):
+            if not isinstance(dim, int):
+                continue
+            for leaf in optree.tree_leaves(arg):
+                if not isinstance(leaf, Tensor) or not -leaf.dim() <= dim < leaf.dim():
+                    continue  # torch.vmap names inputs without that dim itself
+                if leaf.shape[dim] != count:
+                    source = f"(as {first_path!r} has)" if first_path else "(the ensemble's)"
+                    raise ValueError(
+                        f"input {position} has {leaf.shape[dim]} members along dim {dim} "
+                        f"(in_dims), but there are {count} members {source}: give one slice "
+                        "per member, or in_dims=None to share the input"
+                    )
+
+
+def _check_stacked(module: nn.Module, flat: dict[str, Any]) -> None:
+    """Refuse a tree whose leaves are not the module's tensors with a leading member dim; say so
+    when it is an unstacked tree (leaves of the module's own shapes)."""
+    own = flatten(extract(module))
+    wrong = []
+    for path, leaf in flat.items():
+        mine = own.get(path)
+        if not isinstance(leaf, Tensor) or not isinstance(mine, Tensor) or is_lazy(mine):
+            continue
+        if leaf.dim() == 0 or leaf.shape[1:] != mine.shape:
+            wrong.append((path, leaf, mine))
+    if not wrong:
+        return
+    if all(leaf.shape == mine.shape for _, leaf, mine in wrong):
+        path, leaf, _ = wrong[0]
+        raise ValueError(
+            f"the tree is not stacked: {path!r} has shape {tuple(leaf.shape)}, the module's own "
+            "shape, where vmap_call needs a leading member dim; stack trees with "
+            "ms.stack([tree, ...]) or models with ms.stack_modules(models)"
+        )
+    path, leaf, mine = wrong[0]
+    raise ValueError(
+        f"{path!r}: shape {tuple(leaf.shape)} in the stacked tree, so each member holds "
+        f"{tuple(leaf.shape[1:])}, but the module holds {tuple(mine.shape)} there"
+    )
 
 
 def _leaf_at(tree: Tree, keys: list[str]) -> Any:

@@ -1,14 +1,19 @@
 """Arithmetic on lists of leaves, the building blocks of the optimizers in `modstate.optim`.
 
 An optimizer step is a handful of elementwise operations applied to every leaf of a tree. `LeafOps`
-runs each of them either as one `torch._foreach_*` kernel for the whole list, or as one ordinary
-torch op per leaf. Both give the same numbers: the per-leaf form calls the single-tensor version
-of the very op the `_foreach_*` kernel applies.
+runs each of them in one of two forms that give the same numbers:
 
-The `_foreach_*` kernels have no batching rule (`torch.vmap`) and their overloads that take a
-tensor scalar cannot be differentiated, so `LeafOps.for_step` picks them only when neither a
-functorch transform nor autograd is involved. Their in-place forms are then used on intermediates
-the step itself allocated (``fresh=True``), never on a caller's tensor.
+- eager (no functorch transform, no autograd recording): one `torch._foreach_*` kernel over the
+  list, in place when the list is the step's own (an intermediate it allocated, or a buffer the
+  caller donated). On the CPU a `_foreach_*` kernel applies the very single-tensor op that
+  `torch.optim` applies, so the numbers are `torch.optim`'s.
+- functional (under `vmap` / `grad`, or when autograd records): one out-of-place op per leaf, so
+  autograd and the batching rules see ordinary ops. A scalar may then be a 0-dim tensor (a
+  learnable or per-member hyperparameter); the op is spelled out in the order the fused kernel
+  computes it (``addcdiv``: ``x + (value * y) / z``), with the scalar cast to the leaf's dtype as
+  the kernel casts it.
+
+`own=True` says the first list belongs to the step (fresh or donated), so it may be written over.
 """
 
 from __future__ import annotations
@@ -28,13 +33,24 @@ def is_zero(value: Scalar) -> bool:
     return isinstance(value, Number) and value == 0
 
 
-class LeafOps:
-    """Elementwise ops on lists of tensors, as `_foreach_*` kernels or as one op per leaf.
+def safe_sqrt(x: Tensor) -> Tensor:
+    """``sqrt(x)`` whose gradient at ``x == 0`` is 0 instead of ``inf`` (``0 * inf`` is NaN).
 
-    A scalar argument is a Python number or a 0-dim tensor (possibly batched under `vmap`, possibly
-    requiring grad). ``fresh=True`` promises that the first list was allocated by the current step,
-    so the `_foreach_*` form may overwrite it instead of allocating another list.
+    The forward value is `torch.sqrt`'s bit for bit (``sqrt(0) == 0``); only the backward at exact
+    zeros changes, which keeps meta-gradients through Adam-like steps finite where a gradient
+    element is exactly zero. Plain ops only, so it composes with every functorch transform.
     """
+    nonzero = x != 0
+    return torch.where(nonzero, torch.sqrt(torch.where(nonzero, x, 1)), 0)
+
+
+def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
+    """A 0-dim hyperparameter in the leaf's dtype, as a fused kernel casts its scalar."""
+    return value if value.dtype == like.dtype else value.to(like.dtype)
+
+
+class LeafOps:
+    """Elementwise ops on lists of tensors, as `_foreach_*` kernels or as one op per leaf."""
 
     __slots__ = ("foreach",)
 
@@ -46,68 +62,126 @@ class LeafOps:
         """`_foreach_*` kernels unless a functorch transform is active or autograd must record."""
         if torch._C._are_functorch_transforms_active():
             return cls(foreach=False)
-        if torch.is_grad_enabled():
-            if any(isinstance(s, Tensor) and s.requires_grad for s in scalars):
-                return cls(foreach=False)
-            if any(t.requires_grad for t in tensors):
-                return cls(foreach=False)
+        if any(isinstance(s, Tensor) for s in scalars):
+            return cls(foreach=False)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return cls(foreach=False)
         return cls(foreach=True)
 
-    def neg(self, xs: Leaves) -> Leaves:
+    def clone(self, xs: Leaves) -> Leaves:
         if self.foreach:
+            return [x.clone() for x in xs]
+        return [torch.clone(x) for x in xs]
+
+    def neg(self, xs: Leaves, *, own: bool = False) -> Leaves:
+        if self.foreach:
+            if own:
+                torch._foreach_neg_(xs)
+                return xs
             return list(torch._foreach_neg(xs))
         return [torch.neg(x) for x in xs]
 
-    def scale(self, xs: Leaves, s: Scalar, *, fresh: bool = False) -> Leaves:
-        """``x * s``."""
+    def abs(self, xs: Leaves) -> Leaves:
         if self.foreach:
-            if fresh:
+            return list(torch._foreach_abs(xs))
+        return [torch.abs(x) for x in xs]
+
+    def mul(self, xs: Leaves, s: Scalar, *, own: bool = False) -> Leaves:
+        """``x * s`` for a scalar `s`."""
+        if self.foreach:
+            if own:
                 torch._foreach_mul_(xs, s)
                 return xs
             return list(torch._foreach_mul(xs, s))
+        if isinstance(s, Tensor):
+            return [torch.mul(x, _as_dtype(s, x)) for x in xs]
         return [torch.mul(x, s) for x in xs]
 
-    def add_scalar(self, xs: Leaves, s: Scalar, *, fresh: bool = False) -> Leaves:
+    def mul_each(self, xs: Leaves, ys: Leaves, *, own: bool = False) -> Leaves:
+        """``x * y`` leaf by leaf."""
+        if self.foreach:
+            if own:
+                torch._foreach_mul_(xs, ys)
+                return xs
+            return list(torch._foreach_mul(xs, ys))
+        return [torch.mul(x, y) for x, y in zip(xs, ys)]
+
+    def div(self, xs: Leaves, s: Scalar, *, own: bool = False) -> Leaves:
+        """``x / s`` for a scalar `s`."""
+        if self.foreach:
+            if own:
+                torch._foreach_div_(xs, s)
+                return xs
+            return list(torch._foreach_div(xs, s))
+        if isinstance(s, Tensor):
+            return [torch.div(x, _as_dtype(s, x)) for x in xs]
+        return [torch.div(x, s) for x in xs]
+
+    def div_each(self, xs: Leaves, ys: Leaves, *, own: bool = False) -> Leaves:
+        """``x / y`` leaf by leaf."""
+        if self.foreach:
+            if own:
+                torch._foreach_div_(xs, ys)
+                return xs
+            return list(torch._foreach_div(xs, ys))
+        return [torch.div(x, y) for x, y in zip(xs, ys)]
+
+    def reciprocal(self, xs: Leaves, *, own: bool = False) -> Leaves:
+        if self.foreach:
+            if own:
+                torch._foreach_reciprocal_(xs)
+                return xs
+            return list(torch._foreach_reciprocal(xs))
+        return [torch.reciprocal(x) for x in xs]
+
+    def add_scalar(self, xs: Leaves, s: Scalar, *, own: bool = False) -> Leaves:
         """``x + s``."""
         if self.foreach:
-            if fresh:
+            if own:
                 torch._foreach_add_(xs, s)
                 return xs
             return list(torch._foreach_add(xs, s))
+        if isinstance(s, Tensor):
+            return [torch.add(x, _as_dtype(s, x)) for x in xs]
         return [torch.add(x, s) for x in xs]
 
-    def add_scaled(self, xs: Leaves, ys: Leaves, alpha: Scalar, *, fresh: bool = False) -> Leaves:
+    def add(self, xs: Leaves, ys: Leaves, alpha: Scalar = 1, *, own: bool = False) -> Leaves:
         """``x + alpha * y``."""
-        if isinstance(alpha, Tensor):
-            # `alpha=` takes only numbers: scale first, in both forms, so both round alike.
-            return self.add_scaled(xs, self.scale(ys, alpha), 1, fresh=fresh)
         if self.foreach:
-            if fresh:
+            if own:
                 torch._foreach_add_(xs, ys, alpha=alpha)
                 return xs
             return list(torch._foreach_add(xs, ys, alpha=alpha))
+        if isinstance(alpha, Tensor):
+            # `alpha=` takes numbers only; torch.optim's differentiable path multiplies too.
+            return [torch.add(x, torch.mul(y, _as_dtype(alpha, y))) for x, y in zip(xs, ys)]
         return [torch.add(x, y, alpha=alpha) for x, y in zip(xs, ys)]
 
-    def lerp(self, xs: Leaves, ys: Leaves, weight: Scalar) -> Leaves:
+    def lerp(self, xs: Leaves, ys: Leaves, weight: Scalar, *, own: bool = False) -> Leaves:
         """``x + weight * (y - x)``, with `torch.lerp`'s rounding."""
-        if self.foreach and not isinstance(weight, Tensor):
+        if self.foreach:
+            if own:
+                torch._foreach_lerp_(xs, ys, weight)
+                return xs
             return list(torch._foreach_lerp(xs, ys, weight))
         if isinstance(weight, Tensor):
-            # torch.lerp wants the weight in the leaf's dtype; a 0-dim tensor is exact enough.
-            return [torch.lerp(x, y, weight.to(x.dtype)) for x, y in zip(xs, ys)]
+            return [torch.lerp(x, y, _as_dtype(weight, x)) for x, y in zip(xs, ys)]
         return [torch.lerp(x, y, weight) for x, y in zip(xs, ys)]
 
     def addcmul(
-        self, xs: Leaves, ys: Leaves, zs: Leaves, value: Scalar, *, fresh: bool = False
+        self, xs: Leaves, ys: Leaves, zs: Leaves, value: Scalar = 1, *, own: bool = False
     ) -> Leaves:
         """``x + value * y * z``."""
-        if isinstance(value, Tensor):
-            return self.addcmul(xs, self.scale(ys, value), zs, 1, fresh=fresh)
         if self.foreach:
-            if fresh:
+            if own:
                 torch._foreach_addcmul_(xs, ys, zs, value)
                 return xs
             return list(torch._foreach_addcmul(xs, ys, zs, value))
+        if isinstance(value, Tensor):
+            return [
+                torch.add(x, torch.mul(torch.mul(y, _as_dtype(value, y)), z))
+                for x, y, z in zip(xs, ys, zs)
+            ]
         return [torch.addcmul(x, y, z, value=value) for x, y, z in zip(xs, ys, zs)]
 
     def addcdiv(
@@ -115,36 +189,53 @@ class LeafOps:
         xs: Leaves,
         ys: Leaves,
         zs: Leaves,
-        value: Scalar,
+        value: Scalar = 1,
         *,
-        fresh: bool = False,
+        own: bool = False,
         into_zs: bool = False,
     ) -> Leaves:
-        """``x + value * y / z``; ``into_zs`` promises `zs` fresh, so it may be written over."""
-        if isinstance(value, Tensor):
-            return self.add_scaled(xs, self.div(ys, zs), value, fresh=fresh)
+        """``x + value * y / z``; ``into_zs`` says `zs` is the step's own, so it may hold the result."""
         if self.foreach:
-            if fresh:
+            if own:
                 torch._foreach_addcdiv_(xs, ys, zs, value)
                 return xs
             if into_zs and all(z.device.type == "cpu" for z in zs):
-                # On CPU the _foreach_ kernels loop over the leaves anyway, and writing over the
+                # On the CPU the _foreach_ kernels loop over the leaves anyway; writing over the
                 # intermediate saves allocating (and page-faulting) one tree's worth of memory.
                 return [torch.addcdiv(x, y, z, value=value, out=z) for x, y, z in zip(xs, ys, zs)]
             return list(torch._foreach_addcdiv(xs, ys, zs, value))
+        if isinstance(value, Tensor):
+            return [
+                torch.add(x, torch.div(torch.mul(y, _as_dtype(value, y)), z))
+                for x, y, z in zip(xs, ys, zs)
+            ]
         return [torch.addcdiv(x, y, z, value=value) for x, y, z in zip(xs, ys, zs)]
 
-    def div(self, xs: Leaves, ys: Leaves) -> Leaves:
+    def sqrt(self, xs: Leaves, *, own: bool = False) -> Leaves:
+        """``sqrt(x)``; in the functional form with a finite gradient at 0 (`safe_sqrt`)."""
         if self.foreach:
-            return list(torch._foreach_div(xs, ys))
-        return [torch.div(x, y) for x, y in zip(xs, ys)]
-
-    def sqrt(self, xs: Leaves) -> Leaves:
-        if self.foreach:
+            if own:
+                torch._foreach_sqrt_(xs)
+                return xs
             return list(torch._foreach_sqrt(xs))
-        return [torch.sqrt(x) for x in xs]
+        return [safe_sqrt(x) for x in xs]
 
-    def maximum(self, xs: Leaves, ys: Leaves) -> Leaves:
+    def maximum(self, xs: Leaves, ys: Leaves, *, own: bool = False) -> Leaves:
         if self.foreach:
+            if own:
+                for x, y in zip(xs, ys):
+                    torch.maximum(x, y, out=x)
+                return xs
             return list(torch._foreach_maximum(xs, ys))
         return [torch.maximum(x, y) for x, y in zip(xs, ys)]
+
+    def where(self, condition: Tensor, xs: Leaves, ys: Leaves) -> Leaves:
+        """`xs` where the 0-dim `condition` holds, else `ys` (functional form only)."""
+        return [torch.where(condition.to(x.device), x, y) for x, y in zip(xs, ys)]
+
+    def copy_into(self, xs: Leaves, ys: Leaves) -> Leaves:
+        """`ys` written into the step's own `xs` (eager) or a copy of `ys` (functional)."""
+        if self.foreach:
+            torch._foreach_copy_(xs, ys)
+            return xs
+        return [torch.clone(y) for y in ys]

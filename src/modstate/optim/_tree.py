@@ -5,12 +5,12 @@ its state) and updates only the leaves whose gradient is not None. `StepLeaves` 
 against each other, naming the dotted path of the first leaf that does not fit, hands the
 optimizer real-valued lists of the leaves to update (complex leaves are viewed as real, as
 `torch.optim` does), and rebuilds the output trees, in which every other leaf is the very object
-that came in.
+that came in. None in `params` is an empty subtree (no leaf), as everywhere in modstate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Number
 from typing import Any
 
@@ -40,62 +40,70 @@ def check_hyperparameter(
         raise ValueError(f"invalid {name}: {value} (must be {bounds})")
 
 
+def check_betas(betas: object) -> tuple[Scalar, Scalar]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_hyperparameter("beta1", betas[0], low=0.0, high=1.0)
+    check_hyperparameter("beta2", betas[1], low=0.0, high=1.0)
+    return (betas[0], betas[1])
+
+
 def scalar_dtype(device: torch.device) -> torch.dtype:
-    """The dtype for bias corrections: float64 where the device has it, so they round like torch's."""
+    """The dtype for step-dependent scalars: float64 where the device has it (Python's floats)."""
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def new_step_counter() -> Tensor:
-    """A 0-dim step counter, float32 and on the CPU like `torch.optim`'s default ``state["step"]``.
-
-    On the CPU it can be read without a device sync; under `vmap` it is batched like any tensor.
+def new_scalar(value: float = 0.0) -> Tensor:
+    """A 0-dim CPU tensor in torch.optim's dtype for ``state["step"]`` (float32, or float64 when
+    that is the default dtype). Read without a device sync; batched under `vmap` like any tensor.
     """
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.zeros((), dtype=dtype)
+    return torch.full((), value, dtype=dtype)
 
 
-def read_count(step: Tensor) -> float | None:
-    """The step count as a number when reading it is free (a CPU tensor, no transform, no trace)."""
+def read_number(value: Tensor) -> float | None:
+    """The value as a number when reading it is free (a CPU tensor, no transform, no trace)."""
     if (
-        step.device.type != "cpu"
+        value.device.type != "cpu"
+        or value.requires_grad
         or torch._C._are_functorch_transforms_active()
         or torch.compiler.is_compiling()
     ):
         return None
-    return step.item()
-
-
-def bias_corrections(
-    betas: Sequence[Scalar], step: Tensor, count: float | None, device: torch.device
-) -> list[Scalar]:
-    """``1 - beta ** step`` for each beta, where `step` counts from 1.
-
-    Python floats (as torch.optim computes them) when `count` and the betas are numbers; else
-    0-dim tensors on `device`, in float64 where the device has it.
-    """
-    if count is not None and not any(isinstance(beta, Tensor) for beta in betas):
-        return [1 - beta**count for beta in betas]
-    exponent = step.to(device=device, dtype=scalar_dtype(device))
-    return [1 - beta**exponent for beta in betas]
+    return value.item()
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(key) for key in path) or "<root>"
 
 
-def _flatten_params(params: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-    if not all(isinstance(leaf, Tensor) for leaf in leaves):
-        for path, leaf in zip(optree.tree_paths(params, none_is_leaf=True), leaves):
-            if not isinstance(leaf, Tensor):
-                name = type(leaf).__name__
-                raise TypeError(f"params leaf {_dotted(path)!r} is {name}, not a tensor")
+def _paths(tree: Any) -> list[str]:
+    return [_dotted(p) for p in optree.tree_paths(tree, none_is_leaf=False)]
+
+
+def _not_float(path: str, leaf: Tensor) -> TypeError:
+    return TypeError(
+        f"params leaf {path!r} is {leaf.dtype}, and an optimizer steps floating-point or "
+        f"complex leaves only: leave it out of the tree, e.g. "
+        f"params = ms.tree.exclude(params, {path!r}) (or set it to None)"
+    )
+
+
+def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec]:
+    """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
+    leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            path = _paths(params)[index]
+            raise TypeError(f"params leaf {path!r} is {type(leaf).__name__}, not a tensor")
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise _not_float(_paths(params)[index], leaf)
     return leaves, treedef
 
 
 def _mismatch(params: Any, tree: Any, what: str) -> str:
     """The first dotted path where `tree` does not have the structure of `params`."""
-    param_paths = [_dotted(p) for p in optree.tree_paths(params, none_is_leaf=True)]
+    param_paths = _paths(params)
     tree_paths = [_dotted(p) for p in optree.tree_paths(tree, none_is_leaf=True)]
     param_set, tree_set = set(param_paths), set(tree_paths)
     missing = [p for p in param_paths if p not in tree_set]
@@ -107,15 +115,31 @@ def _mismatch(params: Any, tree: Any, what: str) -> str:
     return f"{what} does not have the structure of params"
 
 
-def init_buffers(params: Any, names: Iterable[str]) -> dict[str, Any]:
-    """Zero trees shaped like `params`, one per name."""
-    leaves, treedef = _flatten_params(params)
-    return {
-        name: treedef.unflatten(
-            [torch.zeros_like(leaf, memory_format=torch.preserve_format) for leaf in leaves]
-        )
-        for name in names
-    }
+def init_buffers(
+    params: Any, names: Iterable[str], fill: Callable[[str, Tensor], Tensor] | None = None
+) -> dict[str, Any]:
+    """Trees shaped like `params`, one per name: zeros, or ``fill(name, leaf)``."""
+    leaves, treedef = flatten_params(params)
+
+    def make(name: str, leaf: Tensor) -> Tensor:
+        if fill is not None:
+            return fill(name, leaf)
+        return torch.zeros_like(leaf, memory_format=torch.preserve_format)
+
+    return {name: treedef.unflatten([make(name, leaf) for leaf in leaves]) for name in names}
+
+
+def _misfit(param: Tensor, leaf: Any) -> str | None:
+    """Why `leaf` cannot stand beside `param` in a step, or None."""
+    if not isinstance(leaf, Tensor):
+        return f"is {type(leaf).__name__}, not a tensor"
+    if leaf.shape != param.shape:
+        return f"has shape {tuple(leaf.shape)}, but the param there has shape {tuple(param.shape)}"
+    if leaf.is_complex() != param.is_complex() or not (
+        leaf.is_floating_point() or leaf.is_complex()
+    ):
+        return f"is {leaf.dtype}, but the param there is {param.dtype}"
+    return None
 
 
 class StepLeaves:
@@ -125,7 +149,7 @@ class StepLeaves:
     list (complex ones viewed as real) and `rebuild` puts updated leaves back into a tree.
     """
 
-    __slots__ = ("_complex", "_treedef", "active", "buffers", "grads", "params", "step")
+    __slots__ = ("_complex", "_params_tree", "_treedef", "active", "buffers", "grads", "params")
 
     def __init__(
         self,
@@ -135,48 +159,28 @@ class StepLeaves:
         buffer_names: Sequence[str],
         owner: str,
     ) -> None:
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"state must be the dict returned by {owner}.init, got {type(state).__name__}"
-            )
-        expected = {"step", *buffer_names}
-        if set(state) != expected:
-            raise ValueError(
-                f"state has keys {sorted(state)}, but {owner} keeps {sorted(expected)}: "
-                f"pass the state made by this optimizer's init (or its last step)"
-            )
-        step = state["step"]
-        if not isinstance(step, Tensor) or step.dim() != 0:
-            raise ValueError("state['step'] must be a 0-dim tensor")
-
-        self.params, self._treedef = _flatten_params(params)
-        self.grads = self._leaves_like(params, grads, "grads", allow_none=True)
+        self._params_tree = params
+        self.params, self._treedef = flatten_params(params)
+        self.grads = self._leaves_like(grads, "grads", allow_none=True)
         self.buffers = {
-            name: self._leaves_like(params, state[name], f"state[{name!r}]", allow_none=False)
+            name: self._leaves_like(state[name], f"state[{name!r}]", allow_none=False)
             for name in buffer_names
         }
-        self.step = step
         self.active = [i for i, g in enumerate(self.grads) if g is not None]
         self._complex = [leaf.is_complex() for leaf in self.params]
 
-    def _leaves_like(self, params: Any, tree: Any, what: str, *, allow_none: bool) -> list[Any]:
+    def _leaves_like(self, tree: Any, what: str, *, allow_none: bool) -> list[Any]:
         try:
             leaves = self._treedef.flatten_up_to(tree)
         except (ValueError, TypeError):
-            raise ValueError(_mismatch(params, tree, what)) from None
+            raise ValueError(_mismatch(self._params_tree, tree, what)) from None
         for index, (param, leaf) in enumerate(zip(self.params, leaves)):
             if leaf is None and allow_none:
                 continue
-            if not isinstance(leaf, Tensor) or leaf.shape != param.shape:
-                path = _dotted(optree.tree_paths(params, none_is_leaf=True)[index])
-                got = (
-                    f"shape {tuple(leaf.shape)}"
-                    if isinstance(leaf, Tensor)
-                    else type(leaf).__name__
-                )
-                raise ValueError(
-                    f"{what} at {path!r} is {got}, but the param there has shape {tuple(param.shape)}"
-                )
+            problem = _misfit(param, leaf)
+            if problem is not None:
+                path = _paths(self._params_tree)[index]
+                raise ValueError(f"{what} at {path!r} {problem}")
         return leaves
 
     def gather(self, leaves: Sequence[Tensor | None]) -> Leaves:
@@ -195,12 +199,6 @@ class StepLeaves:
     def device(self) -> torch.device:
         """Where the leaves to update live (the first one's device)."""
         return self.params[self.active[0]].device if self.active else torch.device("cpu")
-
-    def unchanged(self) -> tuple[Any, dict[str, Any]]:
-        """The step's result when no leaf has a gradient: same leaves, step counted."""
-        state = {"step": self.step + 1}
-        state.update({name: self.rebuild(leaves, []) for name, leaves in self.buffers.items()})
-        return self.rebuild(self.params, []), state
 
     def tensors(self) -> list[Tensor]:
         """Every input tensor of the step (to decide whether autograd is involved)."""

@@ -345,7 +345,7 @@ def _view_leaf(leaf: Tensor, new: tuple[int, ...], ndim: int) -> Tensor:
 # arithmetic
 
 
-def add(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
+def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """``leaf + alpha * other`` at every leaf, with ``torch.add``'s rules (dtype promotion, alpha).
 
     ``other`` is a Python number, a tensor (broadcast against every leaf), or a tree with the
@@ -361,7 +361,7 @@ def add(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
     return _binary("add", tree, other, _with_alpha(torch.add, alpha))
 
 
-def sub(tree: Any, other: Any, *, alpha: numbers.Number = 1) -> Any:
+def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """``leaf - alpha * other`` at every leaf, with ``torch.sub``'s rules; ``other`` as in `add`.
 
     >>> ms.tree.sub({"w": torch.ones(2)}, {"w": torch.ones(2)})

@@ -1,0 +1,71 @@
+"""`clip_grad_norm`: `torch.nn.utils.clip_grad_norm_` on a gradient tree, without mutation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from modstate.optim._tree import _dotted
+
+
+def _leaves(grads: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    leaves, treedef = optree.tree_flatten(grads, none_is_leaf=True)
+    for index, leaf in enumerate(leaves):
+        if leaf is not None and not (
+            isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+        ):
+            path = _dotted(optree.tree_paths(grads, none_is_leaf=True)[index])
+            got = f"a {leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
+            raise TypeError(f"grads leaf {path!r} is {got}, not a floating-point tensor or None")
+    return leaves, treedef
+
+
+def _norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
+    """Each tensor's norm, grouped by (device, dtype) in order of first appearance, as torch."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    eager = not torch._C._are_functorch_transforms_active() and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    )
+    norms: list[Tensor] = []
+    for group in groups.values():
+        if eager:
+            norms.extend(torch._foreach_norm(group, norm_type))
+        else:
+            norms.extend(torch.linalg.vector_norm(g, norm_type) for g in group)
+    return norms
+
+
+def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple[Any, Tensor]:
+    """Scale a gradient tree so that its total norm is at most `max_norm`: ``(grads, norm)``.
+
+    The numbers of `torch.nn.utils.clip_grad_norm_` (``norm_type`` 2, 1, ``inf``, any p): the
+    total norm is the norm of the leaves' norms, and every leaf is multiplied by
+    ``min(max_norm / (norm + 1e-6), 1)``. Pure: returns new leaves (None leaves stay None) and
+    the total norm as a 0-dim tensor; differentiable and usable under `vmap`.
+
+    >>> grads = {"w": torch.tensor([3.0, 4.0]), "b": None}
+    >>> clipped, norm = clip_grad_norm(grads, max_norm=1.0)
+    >>> norm
+    tensor(5.)
+    >>> clipped["w"], clipped["b"]
+    (tensor([0.6000, 0.8000]), None)
+    """
+    norm_type = float(norm_type)
+    max_norm = float(max_norm)
+    leaves, treedef = _leaves(grads)
+    present = [leaf for leaf in leaves if leaf is not None]
+    if not present:
+        return grads, torch.tensor(0.0)
+    first_device = present[0].device
+    norms = _norms(present, norm_type)
+    total = torch.linalg.vector_norm(
+        torch.stack([norm.to(first_device) for norm in norms]), norm_type
+    )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    clipped = [None if leaf is None else leaf * coefficient.to(leaf.device) for leaf in leaves]
+    return treedef.unflatten(clipped), total

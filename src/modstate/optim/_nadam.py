@@ -1,0 +1,102 @@
+"""`NAdam` on trees, numerically `torch.optim.NAdam`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from modstate.optim._adam import check_lr
+from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._lists import Scalar
+from modstate.optim._tree import check_betas, check_hyperparameter, read_number
+
+
+@dataclass(frozen=True)
+class NAdam(Optimizer):
+    """Pure NAdam (Adam with Nesterov momentum); build it with `modstate.optim.nadam`.
+
+    For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), in
+    `torch.optim.NAdam`'s order::
+
+        p = p * (1 - lr * weight_decay)   if decoupled_weight_decay
+        g = g + weight_decay * p          otherwise
+        mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay));  P = P * mu_t
+        m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+        d = sqrt(v / (1 - beta2**t)) + eps
+        p = p - lr * (1 - mu_t) / (1 - P) * g / d - lr * mu_{t+1} / (1 - P * mu_{t+1}) * m / d
+
+    The state is ``{"step", "mu_product", "exp_avg", "exp_avg_sq"}``; ``mu_product`` (``P``) is
+    a 0-dim tensor shared by all leaves, as the step counter is.
+    """
+
+    name = "nadam"
+    scalar_names = ("mu_product",)
+
+    lr: LearningRate = 2e-3
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
+    eps: Scalar = 1e-8
+    weight_decay: Scalar = 0.0
+    momentum_decay: Scalar = 4e-3
+    decoupled_weight_decay: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        check_lr(self.lr)
+        object.__setattr__(self, "betas", check_betas(self.betas))
+        check_hyperparameter("eps", self.eps, low=0.0)
+        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
+        check_hyperparameter("momentum_decay", self.momentum_decay, low=0.0)
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _mu_product(self, run: Run, mu: Scalar) -> Tensor:
+        product = run.scalars["mu_product"]
+        if run.donated:
+            product.mul_(mu)
+            return product
+        if isinstance(mu, Tensor):
+            # As the kernel does with a number: the factor in the product's dtype first.
+            return product * mu.to(product.dtype)
+        return product * mu
+
+    def update(self, run: Run) -> dict[str, Tensor]:
+        h, ops, own, t = run.hyper, run.ops, run.own_buffers, run.count
+        lr, eps, weight_decay, momentum_decay = (
+            h["lr"],
+            h["eps"],
+            h["weight_decay"],
+            h["momentum_decay"],
+        )
+        beta1, beta2 = h["betas"]
+        bias_correction2 = 1 - beta2**t
+        if self.decoupled_weight_decay:
+            run.maximize_and_decay(self.maximize, 0)
+            run.decay_params(lr, weight_decay)
+        else:
+            run.maximize_and_decay(self.maximize, weight_decay)
+        mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
+        mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * momentum_decay)))
+        mu_product = self._mu_product(run, mu)
+        g = run.g
+        exp_avg = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
+        exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
+        exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
+        run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
+        denom = ops.sqrt(ops.div(exp_avg_sq, bias_correction2), own=True)
+        denom = ops.add_scalar(denom, eps, own=True)
+
+        product = read_number(mu_product)
+        product_value: Scalar = mu_product if product is None else product
+        if isinstance(product_value, Tensor) and isinstance(t, Tensor):
+            product_value = product_value.to(t.dtype)
+        mu_product_next = product_value * mu_next
+        run.p = ops.addcdiv(
+            run.p, g, denom, -lr * (1.0 - mu) / (1.0 - product_value), own=run.own_p
+        )
+        run.p = ops.addcdiv(
+            run.p, exp_avg, denom, (-lr * mu_next) / (1.0 - mu_product_next), own=True
+        )
+        return {"mu_product": mu_product}

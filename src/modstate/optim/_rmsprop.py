@@ -1,0 +1,80 @@
+"""`RMSprop` on trees, numerically `torch.optim.RMSprop`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from modstate.optim._adam import check_lr
+from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._lists import Scalar, is_zero
+from modstate.optim._tree import check_hyperparameter
+
+
+@dataclass(frozen=True)
+class RMSprop(Optimizer):
+    """Pure RMSprop; build it with `modstate.optim.rmsprop`.
+
+    For each leaf with a gradient ``g`` (``-g`` if `maximize`), in `torch.optim.RMSprop`'s order::
+
+        g = g + weight_decay * p
+        s = alpha * s + (1 - alpha) * g * g
+        a = lerp(a, g, 1 - alpha)                       if centered
+        d = sqrt(s - a * a) + eps   if centered   else   sqrt(s) + eps
+        b = momentum * b + g / d;  p = p - lr * b       if momentum
+        p = p - lr * g / d                              otherwise
+
+    The state is ``{"step", "square_avg"}``, plus ``"momentum_buffer"`` (momentum) and
+    ``"grad_avg"`` (centered).
+    """
+
+    name = "rmsprop"
+
+    lr: LearningRate = 1e-2
+    alpha: Scalar = 0.99
+    eps: Scalar = 1e-8
+    weight_decay: Scalar = 0.0
+    momentum: Scalar = 0.0
+    centered: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        check_lr(self.lr)
+        check_hyperparameter("alpha", self.alpha, low=0.0)
+        check_hyperparameter("eps", self.eps, low=0.0)
+        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
+        check_hyperparameter("momentum", self.momentum, low=0.0)
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        names = ["square_avg"]
+        if not is_zero(self.momentum):
+            names.append("momentum_buffer")
+        if self.centered:
+            names.append("grad_avg")
+        return tuple(names)
+
+    def update(self, run: Run) -> dict[str, Tensor]:
+        h, ops, own = run.hyper, run.ops, run.own_buffers
+        alpha, eps = h["alpha"], h["eps"]
+        run.maximize_and_decay(self.maximize, h["weight_decay"])
+        g = run.g
+        square_avg = ops.mul(run.buffers["square_avg"], alpha, own=own)
+        square_avg = ops.addcmul(square_avg, g, g, 1 - alpha, own=True)
+        run.buffers["square_avg"] = square_avg
+        if self.centered:
+            grad_avg = ops.lerp(run.buffers["grad_avg"], g, 1 - alpha, own=own)
+            run.buffers["grad_avg"] = grad_avg
+            avg = ops.sqrt(ops.addcmul(square_avg, grad_avg, grad_avg, -1), own=True)
+        else:
+            avg = ops.sqrt(square_avg)
+        avg = ops.add_scalar(avg, eps, own=True)
+        if not is_zero(self.momentum):
+            buf = ops.mul(run.buffers["momentum_buffer"], h["momentum"], own=own)
+            buf = ops.addcdiv(buf, g, avg, own=True)
+            run.buffers["momentum_buffer"] = buf
+            run.p = ops.add(run.p, buf, -h["lr"], own=run.own_p)
+        else:
+            run.p = ops.addcdiv(run.p, g, avg, -h["lr"], own=run.own_p, into_zs=True)
+        return {}
