@@ -230,8 +230,7 @@ def _buffer_owners(module: nn.Module) -> dict[str, nn.Module]:
     return {
         f"{prefix}.{name}" if prefix else name: owner
         for prefix, owner in module.named_modules()
-        for name, buffer in owner._buffers.items()
-        if buffer is not None
+        for name, _ in owner.named_buffers(recurse=False)
     }
 
 
