@@ -259,3 +259,17 @@ def test_compile_fullgraph_in_train_mode():
     )(params, state)
     assert_equal_trees(grads, eager_grads)
     assert_equal_trees(stepped, eager_stepped)
+
+
+def test_vmap_with_unbatched_statistics_names_the_fix_and_the_fix_works():
+    model = bn_model()
+    params, state = ms.split(model, detach=True)
+    stacked = ms.stack([params, params])
+    x = torch.randn(8, 3)
+    with pytest.raises(RuntimeError) as info:
+        vmap(lambda p: ms.apply(model, p, state, x)[0])(stacked)
+    assert "ms.stack" in "".join(getattr(info.value, "__notes__", []))
+    stacked_state = ms.stack([state, state])  # the fix the note names
+    outs, new_state = vmap(lambda p, s: ms.apply(model, p, s, x))(stacked, stacked_state)
+    assert outs.shape == (2, 8, 2)
+    assert new_state["2"]["running_mean"].shape == (2, 4)

@@ -198,3 +198,18 @@ def test_none_leaves_in_a_tuple_of_trees_are_holes():
     with pytest.raises(KeyError, match=r"'2\.running_var'"):
         carried["2"]["running_var"] = None  # now no tree gives it
         ms.call(model, (trained, carried), x)
+
+
+def test_call_under_grad_on_a_train_mode_batchnorm_points_to_apply_and_apply_works():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # train mode
+    params, state = ms.split(model, detach=True)
+    x = torch.randn(8, 3)
+    with pytest.raises(RuntimeError, match="mutate a captured Tensor") as info:
+        grad(lambda p: ms.call(model, (p, state), x).sum())(params)
+    assert "ms.apply(module, params, state" in "".join(getattr(info.value, "__notes__", []))
+    grads, new_state = grad(
+        lambda p: (lambda out, new: (out.sum(), new))(*ms.apply(model, p, state, x)),
+        has_aux=True,
+    )(params)  # the fix the note names
+    assert int(new_state["1"]["num_batches_tracked"]) == 1
+    assert ms.flatten(grads).keys() == ms.flatten(params).keys()

@@ -71,9 +71,25 @@ def apply(
     updated_by_kernel = _buffers_of_training_modules(module)
     copies: dict[str, tuple[Tensor, int]] = {}
     work = _copy_buffers(state, "", buffers, copies, compiling)
-    out = call(module, (params, work), *args, **kwargs)
+    out = _call(module, (params, work), args, kwargs)
     new_state = _collect(state, work, "", copies, updated_by_kernel, compiling)
     return out, new_state
+
+
+_UNBATCHED_STATE_FIX = (
+    "modstate.apply under vmap: give every member its own statistics, stacked like the params: "
+    "state = ms.stack([ms.split(m, detach=True)[1] for m in members]) and map over it too "
+    "(in_dims=0 for state)"
+)
+
+
+def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        return call(module, tree, *args, **kwargs)
+    except RuntimeError as error:
+        if "running_mean or running_var" in str(error) and "not batched" in str(error):
+            error.add_note(_UNBATCHED_STATE_FIX)
+        raise
 
 
 class _Layout:
@@ -128,7 +144,7 @@ def _apply_in_plan_order(
     if any(leaf is None for leaf in leaves):
         return None
     merged = anatomy.new_tree(leaves)
-    out = call(module, merged, *args, **kwargs)
+    out = _call(module, merged, args, kwargs)
     after = anatomy.read(merged)
     assert after is not None  # call writes reassigned buffers back in place: same shape
     now = after[0]
@@ -230,8 +246,7 @@ def _buffer_owners(module: nn.Module) -> dict[str, nn.Module]:
     return {
         f"{prefix}.{name}" if prefix else name: owner
         for prefix, owner in module.named_modules()
-        for name, buffer in owner._buffers.items()
-        if buffer is not None
+        for name, _ in owner.named_buffers(recurse=False)
     }
 
 

@@ -17,6 +17,14 @@ _CALL_FIX = (
 )
 
 
+_MUTATED_BUFFER_FIX = (
+    "modstate: forward updates a buffer in place (BatchNorm in train mode, say) that the "
+    "torch.func transform did not give it; use the pure form, which copies the buffers and "
+    "returns their updates: out, new_state = ms.apply(module, params, state, ...), with "
+    "params, state = ms.split(module, detach=True)"
+)
+
+
 def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     """``module(*args, **kwargs)`` computed with the tree's tensors: a stateless call.
 
@@ -57,6 +65,10 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     swap.apply()
     try:
         return module(*args, **kwargs)
+    except RuntimeError as error:
+        if "mutate a captured Tensor" in str(error):
+            error.add_note(_MUTATED_BUFFER_FIX)
+        raise
     finally:
         swap.undo()
 
