@@ -77,3 +77,18 @@ def test_leaves_are_taken_in_module_order_as_torch_sums_their_norms():
         assert torch.equal(norm, expected), trial
         for name, p in model.named_parameters():
             assert torch.equal(ms.flatten(clipped)[name], p.grad), (trial, name)
+
+
+def test_a_tied_gradient_counts_once_as_model_parameters_lists_it():
+    from zoo import TiedLM
+
+    torch.manual_seed(0)
+    lm = TiedLM()
+    lm(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    grads = ms.tree.map(lambda p: p.grad, ms.extract(lm))  # the tie's gradient at both paths
+    assert grads["embed"]["weight"] is grads["head"]["weight"]
+    clipped, norm = optim.clip_grad_norm(grads, max_norm=0.5)
+    expected = torch.nn.utils.clip_grad_norm_(lm.parameters(), max_norm=0.5)
+    torch.testing.assert_close(norm, expected)
+    torch.testing.assert_close(clipped["embed"]["weight"], lm.embed.weight.grad)
+    assert clipped["embed"]["weight"] is clipped["head"]["weight"]

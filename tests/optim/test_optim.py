@@ -733,3 +733,75 @@ def test_a_modstate_optimizer_is_refused_with_the_reason_and_the_fix_works(tmp_p
     loaded = ms.checkpoint.load(tmp_path / "adam.safetensors")
     assert ms.flatten(loaded).keys() == ms.flatten(state).keys()
     assert all(torch.equal(ms.flatten(loaded)[k], v) for k, v in ms.flatten(state).items())
+
+
+# -- tied weights -------------------------------------------------------------------------------
+# extract and split list a tie (an embedding tied to the output head) at each of its paths. The
+# step takes the tie once, with the gradient at its first path (where torch.func puts it), and
+# gives one new tensor for all its paths, so the new params still fit the model.
+
+
+class _SortsHeadFirst(nn.Module):
+    """Tied as GPT-2 is: the embedding comes first in module order, the head first in sorted
+    order (optree sorts dict keys), so the two orders disagree about the tie's first path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(10, 4)
+        self.lm_head = nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = self.token_embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.token_embedding(tokens)))
+
+
+def _tied_lm(kind: str = "TiedLM") -> nn.Module:
+    from zoo import TiedLM
+
+    torch.manual_seed(0)
+    return TiedLM() if kind == "TiedLM" else _SortsHeadFirst()
+
+
+TOKENS = torch.tensor([[1, 2, 3], [4, 5, 6]])
+
+
+@pytest.mark.parametrize("kind", ["TiedLM", "sorts head first"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_tied_model_trains_functionally_as_with_torch_optim(donate, kind):
+    lm = _tied_lm(kind)
+    reference = copy.deepcopy(lm)  # deepcopy keeps the tie
+    params, state = ms.split(lm, detach=True)
+    opt = optim.adam(lr=0.1)
+    opt_state = opt.init(params)
+    first, second = [
+        path for path in ms.flatten(params) if path.endswith("weight") and "body" not in path
+    ]
+    assert ms.flatten(opt_state["exp_avg"])[first] is ms.flatten(opt_state["exp_avg"])[second]
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=0.1)
+
+    def loss(p: dict) -> torch.Tensor:
+        return ms.call(lm, (p, state), TOKENS).square().mean()
+
+    for _ in range(3):
+        grads = torch.func.grad(loss)(params)
+        params, opt_state = opt.step(params, grads, opt_state, donate=donate)
+        torch_opt.zero_grad()
+        reference(TOKENS).square().mean().backward()
+        torch_opt.step()
+    assert ms.flatten(params)[first] is ms.flatten(params)[second]
+    for path, want in ms.flatten(ms.extract(reference, detach=True)).items():
+        torch.testing.assert_close(ms.flatten(params)[path], want, msg=path)
+
+
+def test_a_tie_with_one_gradient_object_at_both_paths_is_stepped_once():
+    # torch.autograd.grad gives the whole gradient at each path of a tie (one tensor twice).
+    lm = _tied_lm()
+    params = ms.tree.map(torch.Tensor.requires_grad_, ms.split(lm, detach=True)[0])
+    leaves = list(ms.flatten(params).values())
+    gradients = torch.autograd.grad(ms.call(lm, params, TOKENS).sum(), leaves)
+    grads = ms.unflatten(dict(zip(ms.flatten(params), gradients)))
+    with torch.no_grad():
+        new, _ = optim.sgd(lr=0.5).step(params, grads, optim.sgd(lr=0.5).init(params))
+    expected = params["embed"]["weight"] - 0.5 * grads["embed"]["weight"]
+    assert new["head"]["weight"] is new["embed"]["weight"]
+    assert torch.equal(new["embed"]["weight"], expected)

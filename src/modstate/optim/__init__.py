@@ -16,6 +16,9 @@ leaf's param and state are returned unchanged (a frozen leaf). `state` is a plai
   every step with `torch.optim` on the CPU, whose default is its single-tensor path). The one
   difference: the step counter is shared by all leaves, where torch counts per parameter (they
   differ only for a leaf whose gradient is sometimes None).
+- A tied weight (one tensor at several paths of `params`, as ``extract`` lists it) is stepped
+  once, with the gradient at its first path in module order (where ``torch.func`` puts it), and
+  the new tensor stands at all its paths.
 - `lr` may be a schedule from `modstate.optim.schedules` (a function of the step count);
   `clip_grad_norm` clips a gradient tree; `masked` steps only the leaves whose path matches.
 - ``step(..., donate=True)`` may write its results over the buffers of `params` and `state`

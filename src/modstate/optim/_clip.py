@@ -12,15 +12,18 @@ from modstate.tree import map_with_path
 
 
 def _leaves(grads: Any) -> list[Tensor]:
-    """The gradient tensors in module order (dicts in insertion order, as torch's parameters);
-    None is an empty subtree."""
+    """The distinct gradient tensors in module order (dicts in insertion order, as torch's
+    parameters, which list a tied weight once); None is an empty subtree."""
     found: list[Tensor] = []
+    seen: set[int] = set()
 
     def collect(path: str, leaf: Any) -> Any:
         if not (isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
             got = f"a {leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
             raise TypeError(f"grads leaf {path!r} is {got}, not a floating-point tensor or None")
-        found.append(leaf)
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            found.append(leaf)
         return leaf
 
     map_with_path(collect, grads)
@@ -48,7 +51,8 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
     """Scale a gradient tree so that its total norm is at most `max_norm`: ``(grads, norm)``.
 
     The numbers of `torch.nn.utils.clip_grad_norm_` (``norm_type`` 2, 1, ``inf``, any p): the
-    total norm is the norm of the leaves' norms, and every leaf is multiplied by
+    total norm is the norm of the leaves' norms (a tensor at several paths, a tie, counts once, as
+    ``model.parameters()`` lists it once), and every leaf is multiplied by
     ``min(max_norm / (norm + 1e-6), 1)``. Pure: returns new leaves (None leaves stay None) and
     the total norm as a 0-dim tensor; differentiable and usable under `vmap`.
 

@@ -6,6 +6,10 @@ against each other, naming the dotted path of the first leaf that does not fit, 
 optimizer real-valued lists of the leaves to update (complex leaves are viewed as real, as
 `torch.optim` does), and rebuilds the output trees, in which every other leaf is the very object
 that came in. None in `params` is an empty subtree (no leaf), as everywhere in modstate.
+
+A tie (one tensor at several paths of `params`, as ``extract`` lists tied weights) is stepped
+once, with the gradient and state at its first path (where ``torch.func`` puts the gradient of a
+tie), and the new tensor stands at every path of the tie, so the result still fits the model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 from torch import Tensor
 
 from modstate.optim._lists import Leaves, Scalar
+from modstate.tree._ties import has_ties, retie, tie_pairs
+from modstate.tree._walk import leaves_with_paths
 
 
 def check_hyperparameter(
@@ -134,7 +140,24 @@ def init_buffers(
             return fill(name, leaf)
         return torch.zeros_like(leaf, memory_format=torch.preserve_format)
 
-    return {name: treedef.unflatten([make(name, leaf) for leaf in leaves]) for name in names}
+    pairs = tie_pairs(leaves)
+
+    def tree_of(name: str) -> Any:
+        made = [make(name, leaf) for leaf in leaves]
+        retie(made, pairs)  # a tie has one state buffer, as it is one parameter
+        return treedef.unflatten(made)
+
+    return {name: tree_of(name) for name in names}
+
+
+def _walk_order(params: Any, leaves: list[Tensor]) -> list[int] | None:
+    """The positions of optree's ``leaves`` (sorted dict keys) in the tree's walk order (dict
+    insertion order, which is module order for trees from ``extract``); None without ties."""
+    if not has_ties(leaves):
+        return None
+    rank = {path: i for i, (path, _) in enumerate(leaves_with_paths(params))}
+    paths = _paths(params)
+    return sorted(range(len(leaves)), key=lambda index: rank[paths[index]])
 
 
 def _misfit(param: Tensor, leaf: Any) -> str | None:
@@ -157,7 +180,16 @@ class StepLeaves:
     list (complex ones viewed as real) and `rebuild` puts updated leaves back into a tree.
     """
 
-    __slots__ = ("_complex", "_params_tree", "_treedef", "active", "buffers", "grads", "params")
+    __slots__ = (
+        "_complex",
+        "_params_tree",
+        "_ties",
+        "_treedef",
+        "active",
+        "buffers",
+        "grads",
+        "params",
+    )
 
     def __init__(
         self,
@@ -174,7 +206,9 @@ class StepLeaves:
             name: self._leaves_like(state[name], f"state[{name!r}]", allow_none=False)
             for name in buffer_names
         }
-        self.active = [i for i, g in enumerate(self.grads) if g is not None]
+        self._ties = tie_pairs(self.params, _walk_order(params, self.params))
+        repeated = {index for index, _ in self._ties}
+        self.active = [i for i, g in enumerate(self.grads) if g is not None and i not in repeated]
         self._complex = [leaf.is_complex() for leaf in self.params]
 
     def _leaves_like(self, tree: Any, what: str, *, allow_none: bool) -> list[Any]:
@@ -201,6 +235,7 @@ class StepLeaves:
         leaves = list(full)
         for index, value in zip(self.active, updated):
             leaves[index] = torch.view_as_complex(value) if self._complex[index] else value
+        retie(leaves, self._ties)
         return self._treedef.unflatten(leaves)
 
     @property

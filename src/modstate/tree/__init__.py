@@ -12,6 +12,10 @@ torch.Size([2, 2, 3, 2])
 >>> [t["layer"]["bias"].shape for t in ms.tree.unbind(tree)]
 [torch.Size([3]), torch.Size([3]), torch.Size([3]), torch.Size([3])]
 
+A tie stays a tie: one tensor at several places (``extract`` lists a tied weight at each of its
+paths) gives one result at all of them, computed at its first place, so the result still fits
+the model (see ``_ties``).
+
 Errors name the dotted path of the offending leaf (``"layer.bias"``); a refused call returns
 nothing and changes nothing. Plain nested dicts of tensors (what ``modstate.extract`` gives) take a
 fast path; other pytrees are walked with optree's node definitions, nothing registered globally.
@@ -32,6 +36,7 @@ from modstate.tree._flat import flatten_dict, unflatten_dict
 from modstate.tree._partition import combine, is_float, is_trainable, partition
 from modstate.tree._select import exclude, select
 from modstate.tree._summary import TreeSummary, summary
+from modstate.tree._ties import keeping_ties, retie, tie_pairs
 from modstate.tree._walk import (
     APPLY,
     KEEP,
@@ -82,14 +87,16 @@ def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """``fn(leaf, *matching_leaves)`` at every leaf; a new tree of the same structure.
 
     ``rest`` are trees with exactly the structure of ``tree`` (dicts: same keys, any order). Every
-    leaf goes to ``fn``, tensor or not; ``None`` is an empty subtree and stays ``None``. An
-    exception from ``fn`` propagates unchanged, with the leaf's path added as a note.
+    leaf goes to ``fn``, tensor or not; ``None`` is an empty subtree and stays ``None``. A tensor
+    at several places (a tied weight) goes to ``fn`` once, at its first place, and the result
+    stands at all of them. An exception from ``fn`` propagates unchanged, with the leaf's path
+    added as a note.
 
     >>> ms.tree.map(lambda p, g: p - 0.1 * g, params, grads)    # doctest: +SKIP
     >>> ms.tree.map(torch.square, {"a": torch.tensor([2.0])})
     {'a': tensor([4.])}
     """
-    return _map_user_fn("map", fn, tree, rest)
+    return _map_user_fn("map", keeping_ties(fn), tree, rest)
 
 
 def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -155,11 +162,11 @@ def reshape(tree: Any, shape: int | Sequence[int], *, batch_ndim: int = 1) -> An
                     raise _Slow
             else:
                 out = [leaf.reshape(*new, *leaf.shape[ndim:]) for leaf in leaves]
-            return unflatten_dict(structure, iter(out))
+            return _rebuild(structure, leaves, out)
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
-        return map_leaves(lambda leaf: _reshape_leaf(leaf, new, ndim), tree, REFUSE)
+        return map_leaves(keeping_ties(lambda leaf: _reshape_leaf(leaf, new, ndim)), tree, REFUSE)
     except AtPath as error:
         raise_at("reshape", error)
 
@@ -183,11 +190,11 @@ def view(tree: Any, shape: int | Sequence[int], *, batch_ndim: int = 1) -> Any:
             if leaves and min(_builtin_map(Tensor.dim, leaves)) < ndim:
                 raise _Slow
             out = [leaf.view(*new, *leaf.shape[ndim:]) for leaf in leaves]
-            return unflatten_dict(structure, iter(out))
+            return _rebuild(structure, leaves, out)
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
-        return map_leaves(lambda leaf: _view_leaf(leaf, new, ndim), tree, REFUSE)
+        return map_leaves(keeping_ties(lambda leaf: _view_leaf(leaf, new, ndim)), tree, REFUSE)
     except AtPath as error:
         raise_at("view", error)
 
@@ -213,6 +220,7 @@ def unbind(tree: Any, dim: int = 0) -> list[Any]:
         except Exception:
             pieces = None  # the generic walk below raises the error with the leaf's path
         if pieces is not None and len(set(_builtin_map(len, pieces))) == 1:
+            retie(pieces, tie_pairs(leaves))
             return [unflatten_dict(structure, iter(column)) for column in zip(*pieces)]
     return _split_slow("unbind", tree, lambda leaf: leaf.unbind(dim), lambda first: first.size(dim))
 
@@ -254,10 +262,11 @@ def split(tree: Any, split_size_or_sections: int | Sequence[int], dim: int = 0) 
         except Exception:
             pieces = None  # the generic walk below raises the error with the leaf's path
         if pieces is not None and len(set(_builtin_map(len, pieces))) == 1:
+            retie(pieces, tie_pairs(leaves))
             return [unflatten_dict(structure, iter(column)) for column in zip(*pieces)]
     if sections is not None:
         try:
-            return split_leaves(chunks, tree, len(sections))
+            return split_leaves(keeping_ties(chunks), tree, len(sections))
         except AtPath as error:
             raise_at("split", error)
     return _split_slow("split", tree, chunks, lambda first: len(chunks(first)))
@@ -316,9 +325,15 @@ def _split_slow(
     except (RuntimeError, IndexError):
         count = -1  # the walk raises this again at that leaf, naming its path
     try:
-        return split_leaves(pieces_of, tree, count)
+        return split_leaves(keeping_ties(pieces_of), tree, count)
     except AtPath as error:
         raise_at(op, error)
+
+
+def _rebuild(structure: Any, leaves: list[Tensor], out: list[Any]) -> dict:
+    """The result tree of a fast-path op: ``out[i]`` computed from ``leaves[i]``, ties kept."""
+    retie(out, tie_pairs(leaves))
+    return unflatten_dict(structure, iter(out))
 
 
 class _Slow(Exception):
@@ -433,7 +448,7 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
         return torch.lerp(leaf, leaf_end, leaf_weight)
 
     try:
-        return map_leaves_n(leaf_lerp, tree, others, REFUSE, names)
+        return map_leaves_n(keeping_ties(leaf_lerp), tree, others, REFUSE, names)
     except AtPath as error:
         raise_at("lerp", error)
     except StructureMismatch as error:
@@ -468,13 +483,13 @@ def _binary(
                 out = foreach_kernel(leaves, other)
             else:
                 out = [leaf_op(leaf, other) for leaf in leaves]
-            return unflatten_dict(structure, iter(out))
+            return _rebuild(structure, leaves, out)
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
         if operand_is_tree:
-            return map_leaves_n(leaf_op, tree, (other,), REFUSE, ("other",))
-        return map_leaves(lambda leaf: leaf_op(leaf, other), tree, REFUSE)
+            return map_leaves_n(keeping_ties(leaf_op), tree, (other,), REFUSE, ("other",))
+        return map_leaves(keeping_ties(lambda leaf: leaf_op(leaf, other)), tree, REFUSE)
     except AtPath as error:
         raise_at(op, error)
     except StructureMismatch as error:
@@ -501,11 +516,11 @@ def _each(op: str, tree: Any, leaf_fn: Callable[[Tensor], Any], non_tensor: str)
     if flat is not None:
         structure, leaves, _ = flat
         try:
-            return unflatten_dict(structure, iter([leaf_fn(leaf) for leaf in leaves]))
+            return _rebuild(structure, leaves, [leaf_fn(leaf) for leaf in leaves])
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
-        return map_leaves(leaf_fn, tree, non_tensor)
+        return map_leaves(keeping_ties(leaf_fn), tree, non_tensor)
     except AtPath as error:
         raise_at(op, error)
 
