@@ -26,6 +26,10 @@ CASES = {
         lambda: nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)),
         (8, 5),
     ),
+    "BatchNorm1d, then ReLU in place, then Linear": (
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3)),
+        (8, 5),
+    ),
     "BatchNorm1d on (batch, channels, length)": (
         lambda: nn.Sequential(nn.BatchNorm1d(3)),
         (6, 3, 4),

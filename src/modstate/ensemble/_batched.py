@@ -343,9 +343,16 @@ def _batch_norm_step(module: nn.modules.batchnorm._BatchNorm, context: PlanConte
             momentum,
             eps,
         )
-        return out.view(out.shape[0], count, -1, *out.shape[2:]).transpose(0, 1), False
+        out = out.view(out.shape[0], count, -1, *out.shape[2:]).transpose(0, 1)
+        if out.dim() == 3:
+            # (members, rows, channels) as a view of (rows, members * channels): the batched
+            # matmul of a following Linear, and its backward, read such strided rows much more
+            # slowly than one copy to member-major rows costs.
+            out = out.contiguous()
+        return out, False
 
-    return step
+    # The output is new and batch_norm's backward does not save it: an activation may run in place.
+    return _fresh(step)
 
 
 def _dropout_step(module: nn.Dropout, context: PlanContext) -> Step:
