@@ -61,3 +61,20 @@ def test_grads_of_another_structure_name_the_path():
     opt = optim.masked(optim.sgd(), "a")
     with pytest.raises(ValueError, match=r"grads has no leaf at 'b'"):
         opt.step(params, {"a": torch.ones(2)}, opt.init(params))
+
+
+def test_a_tie_matched_at_one_of_its_paths_is_stepped_and_stays_one_tensor():
+    from zoo import TiedLM
+
+    torch.manual_seed(0)
+    lm = TiedLM()  # embed.weight is head.weight
+    params, _ = ms.split(lm, detach=True)
+    tokens = torch.tensor([[1, 2, 3]])
+    grads = torch.func.grad(lambda p: ms.call(lm, p, tokens).square().mean())(params)
+    opt = optim.masked(optim.sgd(lr=0.5), "head.*")  # names the tie's second path only
+    new, _ = opt.step(params, grads, opt.init(params))
+    assert new["head"]["weight"] is new["embed"]["weight"]
+    expected = params["embed"]["weight"] - 0.5 * grads["embed"]["weight"]
+    assert torch.equal(new["head"]["weight"], expected)
+    assert new["body"]["weight"] is params["body"]["weight"]  # not matched: unchanged
+    ms.call(lm, new, tokens)  # still fits the model

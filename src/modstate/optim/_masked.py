@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import optree
+from torch import Tensor
 
 from modstate.optim._base import Optimizer
 from modstate.optim._tree import _dotted, _mismatch
@@ -43,7 +44,15 @@ class Masked:
         leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
         pattern = _matcher(self.patterns)
         paths = [_dotted(p) for p in optree.tree_paths(params, none_is_leaf=False)]
-        return leaves, [_matches(pattern, path) for path in paths], treedef
+        keep = [_matches(pattern, path) for path in paths]
+        # A tie (one tensor at several paths) is one parameter: matched at one path, it is
+        # stepped, and at all its paths, so that it stays one tensor.
+        matched_ties = {id(leaf) for leaf, k in zip(leaves, keep) if k and isinstance(leaf, Tensor)}
+        keep = [
+            k or (isinstance(leaf, Tensor) and id(leaf) in matched_ties)
+            for leaf, k in zip(leaves, keep)
+        ]
+        return leaves, keep, treedef
 
     def init(self, params: Any) -> dict[str, Any]:
         """The inner optimizer's state for the matching leaves (None at the others)."""
@@ -81,7 +90,8 @@ def masked(optimizer: Optimizer, *patterns: str) -> Masked:
     Patterns are `fnmatch` globs as in `modstate.tree.select` (``*`` crosses dots; a pattern
     naming a subtree takes all of it). The other leaves keep their value (the same objects) and
     have no optimizer state (None in the state's trees); they may be of any dtype, so an
-    integer buffer can stay in the tree.
+    integer buffer can stay in the tree. A tied weight (one tensor at several paths) is stepped
+    when one of its paths matches, and stays one tensor.
 
     >>> params = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
     >>> opt = masked(modstate.optim.sgd(lr=0.5, momentum=0.9), "head.*")
