@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .call import call
 from .flat import Tree, is_subtree, iter_leaves
+from .inject import MissingPaths
 from .walk import Anatomy, anatomy_of
 
 
@@ -83,9 +84,18 @@ _UNBATCHED_STATE_FIX = (
 )
 
 
+_MISSING_FIX = (
+    "apply needs every path of the module between params and state: take both from "
+    "params, state = ms.split(module, detach=True) (a path may be None in one and given by "
+    "the other, as the halves of ms.tree.partition are)"
+)
+
+
 def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
     try:
         return call(module, tree, *args, **kwargs)
+    except MissingPaths as error:
+        raise MissingPaths(error.paths, _MISSING_FIX) from None
     except RuntimeError as error:
         if "running_mean or running_var" in str(error) and "not batched" in str(error):
             error.add_note(_UNBATCHED_STATE_FIX)
