@@ -439,3 +439,13 @@ def test_saving_over_an_existing_checkpoint_replaces_it(tmp_path):
 def test_saving_into_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         checkpoint.save({"w": torch.ones(1)}, tmp_path / "no" / "t.safetensors")
+
+
+def test_arguments_in_the_wrong_order_name_the_order_and_the_fix_works(tmp_path):
+    tree = ms.extract(torch.nn.Linear(3, 2), detach=True)
+    path = str(tmp_path / "linear.safetensors")
+    with pytest.raises(TypeError, match=r"the tree comes first.*checkpoint\.save\(tree, '"):
+        ms.checkpoint.save(path, tree)
+    assert not (tmp_path / "linear.safetensors").exists()
+    ms.checkpoint.save(tree, path)  # the order the message names
+    assert torch.equal(ms.checkpoint.load(path)["weight"], tree["weight"])

@@ -161,3 +161,34 @@ def test_one_randomness_default_for_vmap_call_and_ensemble():
     assert ms.Ensemble(models).randomness == "error"
     out = ms.vmap_call(models[0], stacked, x, randomness="different")
     assert not torch.equal(out[0] == 0, out[1] == 0)
+
+
+class NoisyBlock(nn.Module):
+    """Dropout inside a forward of its own (as in Hugging Face layers): it runs under vmap, so
+    torch's vmap error, which speaks of vmap's flags, is what the user meets first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x), 0.5, self.training)
+
+
+def test_a_random_op_under_vmap_names_the_fix_for_ensemble_and_vmap_call_and_it_works():
+    models = seeded(lambda: NoisyBlock().train(), 2)
+    x = torch.ones(4, 3)
+    with pytest.raises(RuntimeError, match="randomness error mode") as refused:
+        ms.Ensemble(models)(x)
+    note = "\n".join(refused.value.__notes__)
+    assert "ms.Ensemble(models, randomness='different')" in note
+    out = ms.Ensemble(models, randomness="different")(x)  # the fix the note names
+    assert not torch.equal(out[0] == 0, out[1] == 0)
+
+    stacked = ms.stack_modules(models)
+    with pytest.raises(RuntimeError, match="randomness error mode") as refused:
+        ms.vmap_call(models[0], stacked, x)
+    assert "ms.vmap_call(module, stacked, x, randomness='different')" in "\n".join(
+        refused.value.__notes__
+    )
+    assert ms.vmap_call(models[0], stacked, x, randomness="different").shape == (2, 4, 8)

@@ -46,6 +46,7 @@ def save(tree: dict[str, Any], path: str | os.PathLike) -> None:
     >>> load("linear.safetensors")["weight"].shape  # doctest: +SKIP
     torch.Size([2, 3])
     """
+    _refuse_swapped_arguments("save", tree, path)
     flat = _flatten(tree)
     tensors, metadata = _file.pack(flat)
     _atomic.write_atomically(path, lambda temporary: _file.write(temporary, tensors, metadata))
@@ -93,6 +94,7 @@ def save_distributed(
 
     from modstate.checkpoint import _dcp
 
+    _refuse_swapped_arguments("save_distributed", tree, directory)
     flat = _flatten(tree)
     state = _dcp.to_state_dict(flat)
     with _dcp.single_process_quietly(process_group) as no_dist:
@@ -159,6 +161,14 @@ def load_distributed(
     with _dcp.single_process_quietly(process_group) as no_dist:
         dcp.load(state, checkpoint_id=name, process_group=process_group, no_dist=no_dist)
     return _unflatten(dict(state))
+
+
+def _refuse_swapped_arguments(function: str, tree: Any, path: Any) -> None:
+    if isinstance(tree, (str, os.PathLike)) and isinstance(path, dict):
+        raise TypeError(
+            f"{function}(tree, path): the tree comes first, as in torch.save(obj, f); "
+            f"got a path first: modstate.checkpoint.{function}(tree, {str(tree)!r})"
+        )
 
 
 def _flatten(tree: Any) -> dict[str, Any]:

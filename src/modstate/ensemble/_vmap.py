@@ -90,6 +90,15 @@ def batched_call(
     return out
 
 
+_RANDOMNESS_FIX = (
+    "modstate: a member drew random numbers (dropout in training mode, say) and randomness is "
+    "'error': pass randomness='different' (an independent draw per member, like a loop over the "
+    "models) or 'same' (one draw shared by all), as in ms.Ensemble(models, "
+    "randomness='different') or ms.vmap_call(module, stacked, x, randomness='different'); or "
+    "call .eval() to turn dropout off"
+)
+
+
 class Structure:
     """A stacked tree's structure, compiled once: its distinct tensors (a tensor held at several
     paths, a tie, counts once) and how to nest them into a tree again.
@@ -166,9 +175,14 @@ class Structure:
                     reassigned[k] = now
             return out, reassigned
 
-        return torch.vmap(
-            member, in_dims=(0, *arg_dims), randomness=randomness, chunk_size=chunk_size
-        )(distinct, *args)
+        try:
+            return torch.vmap(
+                member, in_dims=(0, *arg_dims), randomness=randomness, chunk_size=chunk_size
+            )(distinct, *args)
+        except RuntimeError as error:
+            if "randomness error mode" in str(error):
+                error.add_note(_RANDOMNESS_FIX)
+            raise
 
     def check_counts(
         self,
