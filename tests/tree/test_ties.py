@@ -78,8 +78,11 @@ def test_trees_without_ties_are_unchanged_by_the_rule():
     assert out["a"] is not out["b"]
 
 
-def test_map_with_path_sees_every_path_of_a_tie():
+def test_map_with_path_runs_a_tie_once_with_its_first_path():
     _, tree = tied_tree()
+    tree["tail"] = {"w": torch.zeros(1)}  # a leaf after the tie's second path
     paths = ms.tree.map_with_path(lambda path, leaf: path, tree)
-    assert paths["embed"]["weight"] == "embed.weight"
-    assert paths["head"]["weight"] == "head.weight"
+    assert paths["embed"]["weight"] == paths["head"]["weight"] == "embed.weight"
+    assert paths["tail"]["w"] == "tail.w"  # the paths after the tie stay in step
+    scaled = ms.tree.map_with_path(lambda path, leaf: leaf * 2, tree)
+    assert scaled["embed"]["weight"] is scaled["head"]["weight"]

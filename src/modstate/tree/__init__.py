@@ -104,14 +104,18 @@ def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
     Paths read like ``state_dict`` keys: ``"encoder.layers.0.linear1.weight"`` (list indices and
     namedtuple field names appear as keys too; a root leaf has path ``""``).
+    A tensor at several paths (a tied weight) goes to ``fn`` once, with its first path, and the
+    result stands at all of them, as in `map`.
 
     >>> ms.tree.map_with_path(lambda path, x: path, {"0": {"weight": torch.ones(1)}})
     {'0': {'weight': '0.weight'}}
     """
     paths = iter([path for path, _ in leaves_with_paths(tree)])
+    # Keyed by the leaf: a tie is computed once, at its first path, like every op here.
+    tied = keeping_ties(lambda leaf, path, *others: fn(path, leaf, *others))
 
     def with_path(leaf: Any, *others: Any) -> Any:
-        return fn(next(paths), leaf, *others)
+        return tied(leaf, next(paths), *others)
 
     return _map_user_fn("map_with_path", with_path, tree, rest)
 
