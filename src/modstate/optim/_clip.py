@@ -13,17 +13,15 @@ from modstate.tree import map_with_path
 
 def _leaves(grads: Any) -> list[Tensor]:
     """The distinct gradient tensors in module order (dicts in insertion order, as torch's
-    parameters, which list a tied weight once); None is an empty subtree."""
+    parameters; a tie is visited once, as ``model.parameters()`` lists it once); None is an
+    empty subtree."""
     found: list[Tensor] = []
-    seen: set[int] = set()
 
     def collect(path: str, leaf: Any) -> Any:
         if not (isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
             got = f"a {leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
             raise TypeError(f"grads leaf {path!r} is {got}, not a floating-point tensor or None")
-        if id(leaf) not in seen:
-            seen.add(id(leaf))
-            found.append(leaf)
+        found.append(leaf)
         return leaf
 
     map_with_path(collect, grads)

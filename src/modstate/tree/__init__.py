@@ -96,7 +96,7 @@ def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     >>> ms.tree.map(torch.square, {"a": torch.tensor([2.0])})
     {'a': tensor([4.])}
     """
-    return _map_user_fn("map", keeping_ties(fn), tree, rest)
+    return _map_user_fn("map", fn, tree, rest)
 
 
 def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -111,21 +111,24 @@ def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     {'0': {'weight': '0.weight'}}
     """
     paths = iter([path for path, _ in leaves_with_paths(tree)])
-    # Keyed by the leaf: a tie is computed once, at its first path, like every op here.
+    # with_path must see every place, to keep the paths in step; the tie is kept here instead,
+    # keyed by the leaf, so that it is computed once, with its first path.
     tied = keeping_ties(lambda leaf, path, *others: fn(path, leaf, *others))
 
     def with_path(leaf: Any, *others: Any) -> Any:
         return tied(leaf, next(paths), *others)
 
-    return _map_user_fn("map_with_path", with_path, tree, rest)
+    return _map_user_fn("map_with_path", with_path, tree, rest, ties=False)
 
 
-def _map_user_fn(name: str, fn: Callable[..., Any], tree: Any, rest: tuple[Any, ...]) -> Any:
+def _map_user_fn(
+    name: str, fn: Callable[..., Any], tree: Any, rest: tuple[Any, ...], *, ties: bool = True
+) -> Any:
     """``fn`` at every leaf of ``tree`` and the matching leaves of ``rest``; errors name ``name``."""
     try:
         if rest:
-            return map_leaves_n(fn, tree, rest, APPLY, _rest_names(len(rest)))
-        return map_leaves(fn, tree, APPLY)
+            return map_leaves_n(fn, tree, rest, APPLY, _rest_names(len(rest)), ties=ties)
+        return map_leaves(fn, tree, APPLY, ties=ties)
     except AtPath as error:
         raise_at(name, error, user_fn=True)
     except StructureMismatch as error:
@@ -170,7 +173,7 @@ def reshape(tree: Any, shape: int | Sequence[int], *, batch_ndim: int = 1) -> An
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
-        return map_leaves(keeping_ties(lambda leaf: _reshape_leaf(leaf, new, ndim)), tree, REFUSE)
+        return map_leaves(lambda leaf: _reshape_leaf(leaf, new, ndim), tree, REFUSE)
     except AtPath as error:
         raise_at("reshape", error)
 
@@ -198,7 +201,7 @@ def view(tree: Any, shape: int | Sequence[int], *, batch_ndim: int = 1) -> Any:
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
-        return map_leaves(keeping_ties(lambda leaf: _view_leaf(leaf, new, ndim)), tree, REFUSE)
+        return map_leaves(lambda leaf: _view_leaf(leaf, new, ndim), tree, REFUSE)
     except AtPath as error:
         raise_at("view", error)
 
@@ -270,7 +273,7 @@ def split(tree: Any, split_size_or_sections: int | Sequence[int], dim: int = 0) 
             return [unflatten_dict(structure, iter(column)) for column in zip(*pieces)]
     if sections is not None:
         try:
-            return split_leaves(keeping_ties(chunks), tree, len(sections))
+            return split_leaves(chunks, tree, len(sections))
         except AtPath as error:
             raise_at("split", error)
     return _split_slow("split", tree, chunks, lambda first: len(chunks(first)))
@@ -329,7 +332,7 @@ def _split_slow(
     except (RuntimeError, IndexError):
         count = -1  # the walk raises this again at that leaf, naming its path
     try:
-        return split_leaves(keeping_ties(pieces_of), tree, count)
+        return split_leaves(pieces_of, tree, count)
     except AtPath as error:
         raise_at(op, error)
 
@@ -452,7 +455,7 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
         return torch.lerp(leaf, leaf_end, leaf_weight)
 
     try:
-        return map_leaves_n(keeping_ties(leaf_lerp), tree, others, REFUSE, names)
+        return map_leaves_n(leaf_lerp, tree, others, REFUSE, names)
     except AtPath as error:
         raise_at("lerp", error)
     except StructureMismatch as error:
@@ -492,8 +495,8 @@ def _binary(
             pass  # the generic walk below raises the error with the leaf's path
     try:
         if operand_is_tree:
-            return map_leaves_n(keeping_ties(leaf_op), tree, (other,), REFUSE, ("other",))
-        return map_leaves(keeping_ties(lambda leaf: leaf_op(leaf, other)), tree, REFUSE)
+            return map_leaves_n(leaf_op, tree, (other,), REFUSE, ("other",))
+        return map_leaves(lambda leaf: leaf_op(leaf, other), tree, REFUSE)
     except AtPath as error:
         raise_at(op, error)
     except StructureMismatch as error:
@@ -524,7 +527,7 @@ def _each(op: str, tree: Any, leaf_fn: Callable[[Tensor], Any], non_tensor: str)
         except Exception:
             pass  # the generic walk below raises the error with the leaf's path
     try:
-        return map_leaves(keeping_ties(leaf_fn), tree, non_tensor)
+        return map_leaves(leaf_fn, tree, non_tensor)
     except AtPath as error:
         raise_at(op, error)
 

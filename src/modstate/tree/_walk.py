@@ -9,6 +9,9 @@ the path of an error); every other node type goes through ``optree.tree_flatten_
 nothing is registered with optree. Dicts are walked in insertion order (module order), unlike
 ``optree.tree_flatten``, which sorts keys.
 
+A tie (one tensor at several places) is computed once, at its first place, and the result stands
+at all of them (``_ties``), so every op built on this walk keeps a model's tied weights tied.
+
 Paths cost nothing on the way down: an error raised at a leaf is wrapped once in `AtPath`, and each
 container it passes through on the way up adds its key.
 """
@@ -21,6 +24,8 @@ from typing import Any, NoReturn
 
 import optree
 from torch import Tensor
+
+from modstate.tree._ties import keeping_ties
 
 # How a leaf function treats a leaf that is not a tensor.
 APPLY = "apply"  # call it anyway (`map`)
@@ -105,12 +110,20 @@ def children(node: Any) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any
     return keys, list(flat.children), lambda new: unflatten(metadata, new)
 
 
-def map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str = APPLY) -> Any:
+def map_leaves(
+    fn: Callable[[Any], Any], node: Any, non_tensor: str = APPLY, *, ties: bool = True
+) -> Any:
     """A copy of the tree ``node`` with ``fn(leaf)`` in place of every leaf.
 
     ``non_tensor`` says what happens to a leaf that is not a tensor: `APPLY`, `KEEP` or `REFUSE`.
+    A tensor at several places (a tie) goes to ``fn`` once, at its first place, and the result
+    stands at all of them (``ties=False``: at every place, for a caller that keys its own).
     Errors come out wrapped in `AtPath` (except one raised by ``fn`` on a root leaf).
     """
+    return _map_leaves(keeping_ties(fn) if ties else fn, node, non_tensor)
+
+
+def _map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str) -> Any:
     kind = type(node)
     if kind is dict:
         out = {}
@@ -119,7 +132,7 @@ def map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str = APPLY) -> 
                 if isinstance(value, Tensor):
                     out[key] = fn(value)
                 else:
-                    out[key] = map_leaves(fn, value, non_tensor)
+                    out[key] = _map_leaves(fn, value, non_tensor)
         except AtPath as error:
             error.keys.append(key)
             raise
@@ -140,7 +153,7 @@ def map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str = APPLY) -> 
     new = []
     try:
         for child in kids:
-            new.append(map_leaves(fn, child, non_tensor))
+            new.append(_map_leaves(fn, child, non_tensor))
     except AtPath as error:
         error.keys.append(keys[len(new)])
         raise
@@ -188,15 +201,28 @@ def map_leaves_n(
     others: Sequence[Any],
     non_tensor: str = APPLY,
     names: Sequence[str] = (),
+    *,
+    ties: bool = True,
 ) -> Any:
-    """Like `map_leaves` with ``fn(leaf, *matching_leaves_of_others)``.
+    """Like `map_leaves` with ``fn(leaf, *matching_leaves_of_others)``; a tie is computed at its
+    first place in ``node``, with the others' leaves there.
 
     Every tree in ``others`` must have exactly the structure of ``node`` (dicts: the same keys, in
     any order; the result follows ``node``'s order); the first difference raises a
     `StructureMismatch` naming its path. ``names`` name the others in that message.
     """
+    return _map_leaves_n(keeping_ties(fn) if ties else fn, node, others, non_tensor, names)
+
+
+def _map_leaves_n(
+    fn: Callable[..., Any],
+    node: Any,
+    others: Sequence[Any],
+    non_tensor: str,
+    names: Sequence[str],
+) -> Any:
     if not others:
-        return map_leaves(fn, node, non_tensor)
+        return _map_leaves(fn, node, non_tensor)
     if is_leaf(node):
         for index, other in enumerate(others):
             if not is_leaf(other):
@@ -223,7 +249,7 @@ def map_leaves_n(
     try:
         for index, child in enumerate(kids):
             matching = [kids_of_other[index] for kids_of_other in other_kids]
-            new.append(map_leaves_n(fn, child, matching, non_tensor, names))
+            new.append(_map_leaves_n(fn, child, matching, non_tensor, names))
     except AtPath as error:
         error.keys.append(keys[len(new)])
         raise
@@ -235,8 +261,13 @@ def map_leaves_n(
 def split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -> list[Any]:
     """``count`` trees shaped like ``node``: tree ``i`` holds ``fn(leaf)[i]`` at each leaf.
 
-    ``fn`` must give exactly ``count`` pieces at every leaf; leaves must be tensors.
+    ``fn`` must give exactly ``count`` pieces at every leaf; leaves must be tensors. A tie gives
+    the same pieces at all its places.
     """
+    return _split_leaves(keeping_ties(fn), node, count)
+
+
+def _split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -> list[Any]:
     kind = type(node)
     if kind is dict:
         columns = []
@@ -247,7 +278,7 @@ def split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -
                     if len(pieces) != count:
                         raise ValueError(piece_count_message(len(pieces), count))
                 else:
-                    pieces = split_leaves(fn, value, count)
+                    pieces = _split_leaves(fn, value, count)
                 columns.append(pieces)
         except AtPath as error:
             error.keys.append(list(node)[len(columns)])
@@ -268,7 +299,7 @@ def split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -
     columns = []
     try:
         for child in kids:
-            columns.append(split_leaves(fn, child, count))
+            columns.append(_split_leaves(fn, child, count))
     except AtPath as error:
         error.keys.append(keys[len(columns)])
         raise
