@@ -217,11 +217,38 @@ def test_ensemble_training_step_module(compare) -> None:
     )
 
 
+def compare_with_the_stateful_step(
+    compare,
+    name: str,
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    functional: Callable[[], None],
+    holder: dict,
+) -> None:
+    """One step of ``functional`` (updating ``holder``'s params and state) must equal
+    ``loss.backward(); torch.optim.Adam.step()`` on a copy of ``model`` with the same ``batch``;
+    then both are timed."""
+    x, y = batch
+    stateful_model = copy.deepcopy(model)
+    torch_opt = torch.optim.Adam(stateful_model.parameters(), lr=LR)
+
+    def stateful() -> None:
+        torch_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(stateful_model(x), y).backward()
+        torch_opt.step()
+
+    functional()
+    stateful()
+    got = ms.flatten(ms.tree.combine(holder["params"], holder["state"]))
+    for path, want in ms.flatten(ms.extract(stateful_model)).items():
+        torch.testing.assert_close(got[path].detach(), want.detach(), atol=1e-6, rtol=1e-5)
+    compare(name, {"modstate": functional, "torch: backward + torch.optim.Adam": stateful})
+
+
 def test_single_model_training_step(compare) -> None:
     x, y = data()
     torch.manual_seed(0)
     model = bn_mlp()
-    stateful_model = copy.deepcopy(model)
     params, state = ms.split(model, detach=True)
     opt = ms.optim.adam(lr=LR)
     holder = {"params": params, "state": state, "opt": opt.init(params)}
@@ -234,21 +261,13 @@ def test_single_model_training_step(compare) -> None:
         grads, holder["state"] = grad(loss, has_aux=True)(holder["params"], holder["state"])
         holder["params"], holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
 
-    torch_opt = torch.optim.Adam(stateful_model.parameters(), lr=LR)
-
-    def stateful() -> None:
-        torch_opt.zero_grad(set_to_none=True)
-        F.cross_entropy(stateful_model(x), y).backward()
-        torch_opt.step()
-
-    functional()
-    stateful()
-    for path, want in ms.flatten(ms.extract(stateful_model)).items():
-        got = ms.flatten(ms.tree.combine(holder["params"], holder["state"]))[path]
-        torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
-    compare(
+    compare_with_the_stateful_step(
+        compare,
         "training step: single model (64-128(BN)-128(BN)-10, batch 64)",
-        {"modstate": functional, "torch: backward + torch.optim.Adam": stateful},
+        model,
+        (x, y),
+        functional,
+        holder,
     )
 
 
@@ -258,7 +277,6 @@ def test_single_model_training_step_with_autograd(compare) -> None:
     x, y = data()
     torch.manual_seed(0)
     model = bn_mlp()
-    stateful_model = copy.deepcopy(model)
     params, state = ms.split(model, detach=True)
     opt = ms.optim.adam(lr=LR)
     holder = {"params": ms.tree.map(torch.Tensor.requires_grad_, params), "state": state}
@@ -279,21 +297,13 @@ def test_single_model_training_step_with_autograd(compare) -> None:
             new_params, holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
         holder["params"] = ms.tree.map(torch.Tensor.requires_grad_, new_params)
 
-    torch_opt = torch.optim.Adam(stateful_model.parameters(), lr=LR)
-
-    def stateful() -> None:
-        torch_opt.zero_grad(set_to_none=True)
-        F.cross_entropy(stateful_model(x), y).backward()
-        torch_opt.step()
-
-    functional()
-    stateful()
-    for path, want in ms.flatten(ms.extract(stateful_model)).items():
-        got = ms.flatten(ms.tree.combine(holder["params"], holder["state"]))[path]
-        torch.testing.assert_close(got.detach(), want.detach(), atol=1e-6, rtol=1e-5)
-    compare(
+    compare_with_the_stateful_step(
+        compare,
         "training step: single model, autograd.grad(apply) (64-128(BN)-128(BN)-10, batch 64)",
-        {"modstate": functional, "torch: backward + torch.optim.Adam": stateful},
+        model,
+        (x, y),
+        functional,
+        holder,
     )
 
 
