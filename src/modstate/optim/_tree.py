@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from modstate.optim._lists import Leaves, Scalar
-from modstate.tree._ties import has_ties, retie, tie_pairs
+from modstate.tree._ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.tree._walk import leaves_with_paths
 
 
@@ -140,12 +140,9 @@ def init_buffers(
             return fill(name, leaf)
         return torch.zeros_like(leaf, memory_format=torch.preserve_format)
 
-    pairs = tie_pairs(leaves)
-
     def tree_of(name: str) -> Any:
-        made = [make(name, leaf) for leaf in leaves]
-        retie(made, pairs)  # a tie has one state buffer, as it is one parameter
-        return treedef.unflatten(made)
+        make_once = keeping_ties(lambda leaf: make(name, leaf))  # a tie has one buffer
+        return treedef.unflatten([make_once(leaf) for leaf in leaves])
 
     return {name: tree_of(name) for name in names}
 
