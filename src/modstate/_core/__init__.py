@@ -1,10 +1,19 @@
 """The engine: where a module keeps its tensors, and how trees go in and out of it.
 
-``walk`` is the one place that knows module anatomy (``_parameters``, ``_buffers``, ties, shared
-modules, lazy state); ``flat`` converts nested trees to dotted ``state_dict`` keys and back;
-``extract`` takes a tree out, ``split`` divides it into what is trained and what is carried,
-``inject`` swaps one in (and out again), ``hooks`` is the ``state_dict`` bridge, ``call`` the
-stateless call and ``apply`` the pure stateful one.
+The pipeline, bottom up:
+
+- ``anatomy``: the one place that knows where a module keeps its tensors (``_parameters``,
+  ``_buffers``, ties, shared modules, lazy state), compiled once per module;
+- ``types``, ``flat``, ``leaves``: what a tree is, nested <-> dotted ``state_dict`` keys, and
+  reading the trees (or tuples of trees) callers pass; ``torch_facts``: small facts about torch
+  tensors (functorch wrappers, DTensor, write-back) stated once;
+- ``sharded``: the machinery of FSDP2 / tensor-parallel modules; ``hooks``: the ``state_dict``
+  bridge;
+- ``prepare``: check a tree against a module and plan which slot gets which tensor (three
+  routes), raising the ``errors``; ``swaps``: the prepared swaps, applied and undone;
+- ``extract`` takes a tree out, ``split`` divides it into what is trained and what is carried;
+  ``inject`` / ``swap`` / ``load`` (in ``inject``) put one in; ``call`` is the stateless call and
+  ``apply`` the pure stateful one.
 
 This is the bottom part: it imports torch and optree only, never another part of modstate.
 """

@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .anatomy import Anatomy, anatomy_of
 from .call import call
-from .flat import Tree, is_subtree, iter_leaves
-from .inject import MissingPaths
-from .walk import Anatomy, anatomy_of
+from .errors import MissingPaths
+from .flat import is_subtree, iter_leaves
+from .torch_facts import version
+from .types import Tree
 
 
 def apply(
@@ -149,7 +151,7 @@ def _apply_in_plan_order(
             return None
         if path in buffers and isinstance(leaf, Tensor):
             leaf = leaf.clone()
-            copies[path] = (leaf, _version(leaf))
+            copies[path] = (leaf, version(leaf))
         leaves[i] = leaf
     if any(leaf is None for leaf in leaves):
         return None
@@ -172,7 +174,7 @@ def _apply_in_plan_order(
                 out[key] = original
                 continue
             current = now[position[path]]
-            if current is not copy[0] or path in updated or _version(current) != copy[1]:
+            if current is not copy[0] or path in updated or version(current) != copy[1]:
                 out[key] = current
             else:
                 out[key] = original
@@ -210,7 +212,7 @@ def _copy_buffers(
             out[key] = _copy_buffers(value, f"{prefix}{key}.", buffers, copies, compiling)
         elif isinstance(value, Tensor) and prefix + key in buffers:
             copy = value.clone()
-            copies[prefix + key] = (copy, 0 if compiling else _version(copy))
+            copies[prefix + key] = (copy, 0 if compiling else version(copy))
             out[key] = copy
         else:
             out[key] = value
@@ -237,18 +239,11 @@ def _collect(
             copy, version = copies[path]
             if now is not copy:  # forward reassigned the buffer; call wrote it back into work
                 out[key] = now
-            elif compiling or path in updated_by_kernel or _version(copy) != version:
+            elif compiling or path in updated_by_kernel or version(copy) != version:
                 out[key] = copy
             else:
                 out[key] = original
     return out
-
-
-def _version(tensor: Tensor) -> int:
-    # Under torch.func transforms the counter that moves is the wrapped tensor's.
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
-    return tensor._version
 
 
 def _buffer_owners(module: nn.Module) -> dict[str, nn.Module]:

@@ -7,8 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import MissingPaths
 from .flat import flatten, unflatten
-from .inject import MissingPaths, TreeArg, prepare
+from .prepare import prepare
+from .torch_facts import write_back
+from .types import TreeArg
 
 _CALL_FIX = (
     "call needs every path: give the rest too, e.g. the tuple ms.split(module) returns, "
@@ -117,13 +120,5 @@ def call_while_compiling(
     for component, flat, before in zip(components, flats, given):
         changed = {key: value for key, value in flat.items() if value is not before[key]}
         if changed:
-            _write_back(component, unflatten(changed))
+            write_back(component, unflatten(changed))
     return out
-
-
-def _write_back(tree: dict[str, Any], changed: dict[str, Any]) -> None:
-    for key, value in changed.items():
-        if isinstance(value, dict) and isinstance(tree.get(key), dict):
-            _write_back(tree[key], value)
-        else:
-            tree[key] = value

@@ -6,9 +6,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .flat import Tree, iter_leaves, unflatten
+from .anatomy import anatomy_of
+from .flat import iter_leaves, unflatten
 from .hooks import state_dict_tree
-from .walk import anatomy_of
+from .types import Tree
 
 
 def extract(

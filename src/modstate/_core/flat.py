@@ -7,10 +7,10 @@ from typing import Any
 
 import optree
 
+from .types import Tree
+
 EXTRA_STATE = "_extra_state"
 """The key ``state_dict`` uses for ``get_extra_state()``: its value is opaque, never walked into."""
-
-Tree = dict[str, Any]
 
 
 def is_subtree(key: str, value: Any) -> bool:

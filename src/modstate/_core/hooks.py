@@ -29,8 +29,9 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 from torch.nn.parameter import is_lazy
 
-from .flat import Layout, Tree, unflatten
-from .walk import buffer_paths
+from .anatomy import buffer_paths
+from .flat import Layout, unflatten
+from .types import Tree
 
 _DEFAULT_LOAD = nn.Module._load_from_state_dict
 _DEFAULT_SET_EXTRA_STATE = nn.Module.set_extra_state

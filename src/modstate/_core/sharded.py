@@ -27,15 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .torch_facts import is_dtensor, unwrapped
+
 # Forward hooks defined in these packages are the parallelism's own: FSDP2's pre-forward
 # all-gather / post-forward reshard, and the input/output conversions of tensor-parallel styles.
 _PARALLEL_HOOK_PACKAGES = ("torch.distributed.fsdp.", "torch.distributed.tensor.")
-
-
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a ``torch.distributed.tensor.DTensor``."""
-    api = sys.modules.get("torch.distributed.tensor")
-    return api is not None and isinstance(value, api.DTensor)
 
 
 def holds_dtensor(value: Any) -> bool:
@@ -43,14 +39,7 @@ def holds_dtensor(value: Any) -> bool:
     one."""
     if not isinstance(value, Tensor) or "torch.distributed.tensor" not in sys.modules:
         return False
-    return is_dtensor(_innermost(value))
-
-
-def _innermost(value: Tensor) -> Tensor:
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    while is_wrapped(value):
-        value = torch._C._functorch.get_unwrapped(value)
-    return value
+    return is_dtensor(unwrapped(value))
 
 
 def _is_fsdp_module(module: nn.Module) -> bool:
@@ -191,7 +180,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        dtensor = _innermost(inputs[0])  # torch.func hands its wrapper here
+        dtensor = unwrapped(inputs[0])  # torch.func hands its wrapper here
         ctx.mesh = dtensor.device_mesh
         ctx.placements = dtensor.placements
 
@@ -242,7 +231,7 @@ def partial_leaf(values: list[Any]) -> int | None:
     """The index of the first value that is a ``DTensor`` with a ``Partial`` placement (a pending
     sum, which has no piece of a gradient to give back), or None."""
     for index, value in enumerate(values):
-        if holds_dtensor(value) and any(p.is_partial() for p in _innermost(value).placements):
+        if holds_dtensor(value) and any(p.is_partial() for p in unwrapped(value).placements):
             return index
     return None
 
@@ -260,7 +249,7 @@ def gathered(values: list[Any]) -> list[Any]:
     batches: dict[Any, list[Any]] = {}
     singles = []
     for value in distinct.values():
-        inner = _innermost(value)
+        inner = unwrapped(value)
         placements = inner.placements
         if inner.device_mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0):
             batches.setdefault((id(inner.device_mesh), inner.dtype, inner.device), []).append(value)
@@ -310,7 +299,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        inner = [_innermost(t) for t in inputs]
+        inner = [unwrapped(t) for t in inputs]
         ctx.specs = [(t.device_mesh, t.placements) for t in inner]
 
     @staticmethod

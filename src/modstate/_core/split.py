@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .extract import detached, extract
-from .flat import Tree, iter_leaves, unflatten
+from .flat import iter_leaves, unflatten
+from .types import Tree
 
 
 def split(module: nn.Module, *, detach: bool = False) -> tuple[Tree, Tree]:

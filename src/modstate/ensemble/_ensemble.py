@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from modstate._core.anatomy import slot_at
 from modstate._core.extract import extract
 from modstate._core.flat import Layout, flatten
 from modstate._core.inject import swap
-from modstate._core.walk import slot_at
 
 from ._batched import PlanContext, Slot, compile_plan, layer_names, vmap_runner
 from ._stack import stack_modules

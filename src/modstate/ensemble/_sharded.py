@@ -23,10 +23,11 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from modstate._core.anatomy import slot_at
 from modstate._core.call import call
 from modstate._core.extract import extract
 from modstate._core.flat import flatten, unflatten
-from modstate._core.walk import slot_at
+from modstate._core.torch_facts import functorch_active, is_dtensor
 
 from ._ensemble import Ensemble, _mirror
 
@@ -141,7 +142,7 @@ class MemberParallelEnsemble(Ensemble):
     # -- running -----------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             raise NotImplementedError(
                 "a member-parallel ensemble cannot run under torch.func transforms (grad, vmap, "
                 "...): DTensor's conversions do not support them; take gradients with "
@@ -154,7 +155,7 @@ class MemberParallelEnsemble(Ensemble):
         return optree.tree_map(self._sharded_output, out)
 
     def _local_rows(self, value: Any) -> Any:
-        if _is_dtensor(value):
+        if is_dtensor(value):
             return value.to_local()
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.count:
             members = self.members_here
@@ -231,13 +232,7 @@ class MemberParallelEnsemble(Ensemble):
 
 
 def _local_piece(value: Any) -> Any:
-    return value.to_local() if _is_dtensor(value) else value
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+    return value.to_local() if is_dtensor(value) else value
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from modstate._core.extract import extract
-from modstate._core.flat import Tree, flatten, unflatten
+from modstate._core.flat import flatten, unflatten
+from modstate._core.types import Tree
 
 
 def stack(trees: Sequence[Tree]) -> Tree:

@@ -10,10 +10,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from modstate._core.anatomy import anatomy_of, buffer_paths
 from modstate._core.call import call
-from modstate._core.flat import Layout, Tree, flatten, unflatten
+from modstate._core.flat import Layout, flatten, unflatten
 from modstate._core.sharded import gathered
-from modstate._core.walk import anatomy_of, buffer_paths
+from modstate._core.torch_facts import write_back
+from modstate._core.types import Tree
 
 InDims = int | None | tuple[Any, ...] | list[Any]
 
@@ -86,7 +88,7 @@ def batched_call(
         chunk_size,
     )
     if reassigned:
-        _write_back(stacked, unflatten({structure.paths[i]: v for i, v in reassigned.items()}))
+        write_back(stacked, unflatten({structure.paths[i]: v for i, v in reassigned.items()}))
     return out
 
 
@@ -275,11 +277,3 @@ def _argument_dims(in_dims: InDims, count: int) -> tuple[Any, ...]:
             )
         return tuple(in_dims)
     raise TypeError(f"in_dims must be None, an int or a tuple, got {type(in_dims).__name__}")
-
-
-def _write_back(tree: dict[str, Any], changed: dict[str, Any]) -> None:
-    for key, value in changed.items():
-        if isinstance(value, dict) and isinstance(tree.get(key), dict):
-            _write_back(tree[key], value)
-        else:
-            tree[key] = value

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from modstate._core.flat import flatten, unflatten
+from modstate._core.torch_facts import is_dtensor
 
 # State entries that torch.optim keeps with the shape of their parameter; others (such as the
 # 0-dim "step", or Adafactor's factored moments) have their own shapes and are not checked.
@@ -231,25 +232,17 @@ def _copied(value: Any) -> Any:
 
 def _laid_out_like(param: Tensor, entries: dict[str, Any]) -> dict[str, Any]:
     """Full plain tensors (a checkpoint read as saved) laid out like their DTensor parameter."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return entries
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     assert isinstance(param, DTensor)
     return {
         key: distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-        if isinstance(value, Tensor) and not _is_dtensor(value) and value.shape == param.shape
+        if isinstance(value, Tensor) and not is_dtensor(value) and value.shape == param.shape
         else value
         for key, value in entries.items()
     }
-
-
-def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(value, DTensor)
 
 
 def load_optimizer_state(

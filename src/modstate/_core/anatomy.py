@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -120,7 +120,6 @@ class Anatomy:
         for index, slot in enumerate(self.slots):
             holders.setdefault(id(slot.get()), []).append(index)
         self.tie_groups = [group for group in holders.values() if len(group) > 1]
-        self.tie_group_of = {i: group for group in self.tie_groups for i in group}
 
         # The compiled plan, every list in optree's leaf order of the template (sorted keys).
         order, self.treespec = optree.tree_flatten(self.template)
@@ -182,8 +181,8 @@ class Anatomy:
 
     def _compile_reader(self) -> None:
         """Precompute how to read a tree shaped like ``template`` leaf by leaf, without recursion."""
-        self.node_parent: list[int] = []
-        self.node_key: list[str] = []
+        node_parent: list[int] = []
+        node_key: list[str] = []
         self.node_lens: list[int] = []
         leaf_node_of: dict[str, tuple[int, str]] = {}
 
@@ -191,8 +190,8 @@ class Anatomy:
             self.node_lens[index] = len(node)
             for key, value in node.items():
                 if isinstance(value, dict):
-                    self.node_parent.append(index)
-                    self.node_key.append(key)
+                    node_parent.append(index)
+                    node_key.append(key)
                     self.node_lens.append(0)
                     visit(value, len(self.node_lens) - 1, f"{prefix}{key}.")
                 else:
@@ -200,7 +199,7 @@ class Anatomy:
 
         self.node_lens.append(0)
         visit(self.template, 0, "")
-        self.node_program = list(zip(self.node_parent, self.node_key))
+        self.node_program = list(zip(node_parent, node_key))
         self.leaf_nodes = [leaf_node_of[slot.path][0] for slot in self.ordered]
         self.leaf_keys = [leaf_node_of[slot.path][1] for slot in self.ordered]
 
@@ -319,8 +318,3 @@ class ModuleGuard:
 
 
 _MISSING = object()
-
-
-def guard(modules: list[nn.Module]) -> Callable[[], None] | None:
-    """A restore function for ``modules``' non-slot state, or None when there is nothing to guard."""
-    return ModuleGuard(modules).restore if modules else None

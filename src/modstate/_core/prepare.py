@@ -1,0 +1,258 @@
+"""Preparing a swap: check a tree against a module and say which slot gets which tensor.
+
+Nothing here changes the module. A prepared :class:`~modstate._core.swaps.Swap` comes from one of
+three routes:
+
+- the compiled plan of the module's :class:`~modstate._core.anatomy.Anatomy`, when the tree has
+  exactly the shape ``extract`` gives (a few C-level passes over flat lists);
+- the general route, path by path, for partial trees, ties given at one path, and for precise
+  errors whenever the compiled plan declines;
+- the ``state_dict`` route (``use_state_dict=True``), which replays ``load_state_dict``'s hooks.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from itertools import repeat
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+from .anatomy import Anatomy, ModuleGuard, anatomy_of
+from .errors import MissingPaths, unknown_path_message
+from .flat import unflatten
+from .hooks import Assignment, LoadPlan, plan_load
+from .leaves import leaves_of
+from .sharded import partial_leaf
+from .swaps import Swap, UnshardedSwap
+from .torch_facts import unwrapped
+from .types import TreeArg
+
+_is = operator.is_
+_shape_and_dtype = operator.attrgetter("shape", "dtype")
+
+
+def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = False) -> Swap:
+    """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing.
+
+    ``compute=True`` prepares a swap for computing (``call``, ``inject``): on a sharded module
+    (FSDP2, tensor parallel) that is the unsharded computation (see ``sharded.py``)."""
+    anatomy = anatomy_of(module)
+    prepared = None
+    if type(tree) is dict or isinstance(tree, Mapping):
+        prepared = _prepare_compiled(anatomy, tree, strict)
+    if prepared is None:
+        prepared = _prepare_by_path(anatomy, tree, strict)
+    if compute and anatomy.sharding is not None:
+        partial = partial_leaf(prepared.values)
+        if partial is not None:
+            table, name = prepared.tables[partial], prepared.names[partial]
+            path = next(s.path for s in anatomy.slots if s.table is table and s.name == name)
+            raise ValueError(
+                f"{path!r}: a DTensor with a Partial placement (a pending sum); a call on a "
+                "sharded module gathers the tree and gives gradients back piece by piece, which "
+                "a pending sum has not: redistribute it first (leaf.redistribute(placements="
+                "[Replicate()]) or the module's own placements)"
+            )
+        return UnshardedSwap(prepared, anatomy.sharding)
+    return prepared
+
+
+def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap | None:
+    read = anatomy.read(tree)
+    if read is None:
+        return None
+    leaves, nodes = read
+    olds = anatomy.holding
+    if not all(map(_is, leaves, olds)):
+        if not all(map(isinstance, leaves, repeat(Tensor))):
+            return None
+        if strict:
+            try:
+                if list(map(_shape_and_dtype, leaves)) != list(map(_shape_and_dtype, olds)):
+                    return None
+            except (RuntimeError, ValueError):  # a lazy parameter has no shape yet
+                return None
+        for group in anatomy.tie_positions:
+            first = leaves[group[0]]
+            for i in group[1:]:
+                if leaves[i] is not first:
+                    if not _same_tensor(leaves[i], first):
+                        return None  # the path-by-path route names the conflict
+                    leaves[i] = first  # one tensor for the whole tie, as in the module
+
+    leaf_nodes, leaf_keys = anatomy.leaf_nodes, anatomy.leaf_keys
+    guarded = anatomy.guarded
+    return Swap(
+        anatomy.tables,
+        anatomy.names,
+        leaves,
+        olds,
+        anatomy.buffer_positions,
+        lambda i: (nodes[leaf_nodes[i]], leaf_keys[i]),
+        ModuleGuard(guarded).restore if guarded else None,
+        anatomy.new_tree,
+    )
+
+
+def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
+    slots = anatomy.slots
+    index_of = {slot.path: i for i, slot in enumerate(slots)}
+    given: dict[int, tuple[Any, Any, str]] = {}
+    for path, leaf, node, key in leaves_of(tree):
+        i = index_of.get(path)
+        if i is None:
+            raise KeyError(unknown_path_message(anatomy, path))
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{path!r}: expected a tensor, got {type(leaf).__name__}")
+        if strict:
+            _check_like(path, leaf, slots[i].get())
+        given[i] = (leaf, node, key)
+
+    for group in anatomy.tie_groups:
+        provided = [i for i in group if i in given]
+        if not provided:
+            continue
+        first = given[provided[0]][0]
+        for i in provided[1:]:
+            if not _same_tensor(given[i][0], first):
+                raise ValueError(
+                    f"{slots[provided[0]].path!r} and {slots[i].path!r} are tied in the module "
+                    "(one tensor) but the tree gives them different tensors; give one of the "
+                    "paths, or the same tensor at both"
+                )
+        for i in group:
+            _, node, key = given.get(i, (None, None, ""))
+            given[i] = (first, node, key)
+
+    if strict and len(given) < len(slots):
+        # Non-persistent buffers are not part of a checkpoint (state_dict leaves them out): a
+        # tree with state_dict's keys is complete, and the module keeps its own there.
+        missing = [slot.path for i, slot in enumerate(slots) if i not in given and slot.persistent]
+    else:
+        missing = []
+    if missing:
+        raise MissingPaths(missing, "pass strict=False to keep the module's own tensors there")
+
+    order = sorted(given)
+    tables = [slots[i].table for i in order]
+    names = [slots[i].name for i in order]
+    values = [given[i][0] for i in order]
+    nodes = [given[i][1] for i in order]
+    keys = [given[i][2] for i in order]
+    paths = [slots[i].path if given[i][1] is not None else None for i in order]
+    guarded = anatomy.guarded
+    return Swap(
+        tables,
+        names,
+        values,
+        list(map(operator.getitem, tables, names)),
+        [pos for pos, i in enumerate(order) if slots[i].is_buffer],
+        lambda pos: None if nodes[pos] is None else (nodes[pos], keys[pos]),
+        ModuleGuard(guarded).restore if guarded else None,
+        lambda olds: unflatten({p: v for p, v in zip(paths, olds) if p is not None}),
+    )
+
+
+def _check_like(path: str, leaf: Tensor, current: Tensor) -> None:
+    if is_lazy(current) or is_lazy(leaf):
+        return
+    if leaf.shape != current.shape:
+        raise ValueError(
+            f"{path!r}: shape {tuple(leaf.shape)} in the tree, {tuple(current.shape)} in the module "
+            "(strict=False accepts other shapes)"
+        )
+    if leaf.dtype != current.dtype:
+        raise TypeError(
+            f"{path!r}: dtype {leaf.dtype} in the tree, {current.dtype} in the module "
+            "(strict=False accepts other dtypes)"
+        )
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor: the same object, the same view of one storage, or
+    two wrappers that ``torch.func`` transforms made of one tensor given at two paths."""
+    if a is b:
+        return True
+    a, b = unwrapped(a), unwrapped(b)
+    if a is b:
+        return True
+    try:
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr()
+        )
+    except (RuntimeError, NotImplementedError):  # tensors without storage
+        return False
+
+
+def prepare_hooked(
+    module: nn.Module, tree: TreeArg, strict: bool, *, in_place: bool
+) -> tuple[LoadPlan, ModuleGuard]:
+    """Replay ``load_state_dict`` on ``tree`` and check the outcome; on refusal, undo what the
+    load pre-hooks did (lazy materialization) and raise."""
+    flat = {path: leaf for path, leaf, _, _ in leaves_of(tree)}
+    anatomy = anatomy_of(module)
+    guard = ModuleGuard(anatomy.guarded)
+    try:
+        plan = plan_load(module, flat, strict=strict, in_place=in_place)
+        _fill_ties(anatomy, plan)
+        _judge(plan, strict, check_dtypes=strict and not in_place)
+    except BaseException:
+        guard.restore()
+        raise
+    return plan, guard
+
+
+def _fill_ties(anatomy: Anatomy, plan: LoadPlan) -> None:
+    """A tied path that the tree leaves out gets its group's tensor, and is not missing.
+
+    Files written by ``save_pretrained`` or ``safetensors.torch.save_model`` hold each tie group
+    once; ``load_state_dict`` would call the other paths missing, and filling only the given one
+    would untie the group while it is injected."""
+    if not anatomy.tie_groups or not plan.missing:
+        return
+    given = {a.key: a for a in plan.assignments}
+    missing = set(plan.missing)
+    filled = set()
+    for group in anatomy.tie_groups:
+        paths = [anatomy.slots[i].path for i in group]
+        source = next((given[p] for p in paths if p in given), None)
+        if source is None:
+            continue
+        for i in group:
+            slot = anatomy.slots[i]
+            if slot.path in missing:
+                plan.assignments.append(
+                    Assignment(slot.table, slot.name, slot.path, source.value, slot.is_buffer)
+                )
+                filled.add(slot.path)
+    if filled:
+        plan.missing[:] = [key for key in plan.missing if key not in filled]
+
+
+def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
+    if plan.errors:
+        raise ValueError(plan.errors[0])
+    if plan.unexpected:
+        raise KeyError(
+            f"unknown path {plan.unexpected[0]!r}: after the module's load_state_dict hooks, "
+            "no parameter, buffer or extra state takes it"
+        )
+    if strict and plan.missing:
+        raise MissingPaths(
+            list(plan.missing),
+            "(as load_state_dict sees it) pass strict=False to keep the module's own tensors there",
+        )
+    if check_dtypes:
+        for a in plan.assignments:
+            if not is_lazy(a.current) and not is_lazy(a.value) and a.value.dtype != a.current.dtype:
+                raise TypeError(
+                    f"{a.key!r}: dtype {a.value.dtype} in the tree, {a.current.dtype} in the module "
+                    "(strict=False accepts other dtypes)"
+                )

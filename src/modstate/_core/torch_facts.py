@@ -1,0 +1,47 @@
+"""Small facts about torch tensors that several parts need, each stated once."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def unwrapped(tensor: Tensor) -> Tensor:
+    """The tensor inside every ``torch.func`` wrapper (``grad``, ``vmap``) around ``tensor``."""
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    while is_wrapped(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
+def version(tensor: Tensor) -> int:
+    """The version counter that in-place ops bump; under ``torch.func`` transforms the counter
+    that moves is the wrapped tensor's."""
+    return unwrapped(tensor)._version
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor``; imports nothing (a tensor can
+    only be a DTensor once ``torch.distributed.tensor`` was imported)."""
+    api = sys.modules.get("torch.distributed.tensor")
+    return api is not None and isinstance(value, api.DTensor)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is running."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def write_back(tree: dict[str, Any], changed: Mapping[str, Any]) -> None:
+    """Put the leaves of the nested ``changed`` into ``tree`` at the same paths, in place (a
+    buffer that ``forward`` reassigned goes back into the caller's tree, as
+    ``torch.func.functional_call`` does)."""
+    for key, value in changed.items():
+        if isinstance(value, Mapping) and isinstance(tree.get(key), dict):
+            write_back(tree[key], value)
+        else:
+            tree[key] = value
