@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -45,3 +45,12 @@ def write_back(tree: dict[str, Any], changed: Mapping[str, Any]) -> None:
             write_back(tree[key], value)
         else:
             tree[key] = value
+
+
+def foreach_allowed(tensors: Iterable[Tensor]) -> bool:
+    """Whether ``torch._foreach_*`` kernels may replace one op per tensor: no ``torch.func``
+    transform is running (foreach ops have no vmap rule and are not traced by functorch), and
+    autograd records nothing (so no tensor that requires grad takes part while grad is on)."""
+    if functorch_active():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from modstate._core.torch_facts import foreach_allowed
 from modstate.tree import map as tree_map
 from modstate.tree import map_with_path
 
@@ -33,9 +34,7 @@ def _norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    eager = not torch._C._are_functorch_transforms_active() and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    )
+    eager = foreach_allowed(tensors)
     norms: list[Tensor] = []
     for group in groups.values():
         if eager:

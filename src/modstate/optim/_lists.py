@@ -24,6 +24,8 @@ from numbers import Number
 import torch
 from torch import Tensor
 
+from modstate._core.torch_facts import foreach_allowed
+
 Scalar = float | int | Tensor
 Leaves = list[Tensor]
 
@@ -67,13 +69,9 @@ class LeafOps:
     @classmethod
     def for_step(cls, tensors: Iterable[Tensor], scalars: Iterable[object]) -> LeafOps:
         """`_foreach_*` kernels unless a functorch transform is active or autograd must record."""
-        if torch._C._are_functorch_transforms_active():
-            return cls(foreach=False)
         if any(isinstance(s, Tensor) for s in scalars):
             return cls(foreach=False)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return cls(foreach=False)
-        return cls(foreach=True)
+        return cls(foreach=foreach_allowed(tensors))
 
     def clone(self, xs: Leaves) -> Leaves:
         if self.foreach:

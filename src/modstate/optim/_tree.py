@@ -22,6 +22,7 @@ import optree
 import torch
 from torch import Tensor
 
+from modstate._core.torch_facts import functorch_active
 from modstate.optim._lists import Leaves, Scalar
 from modstate.tree._ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.tree._walk import leaves_with_paths
@@ -79,7 +80,7 @@ def read_number(value: Tensor) -> float | None:
     if (
         value.device.type != "cpu"
         or value.requires_grad
-        or torch._C._are_functorch_transforms_active()
+        or functorch_active()
         or torch.compiler.is_compiling()
     ):
         return None

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from modstate._core.torch_facts import functorch_active
 from modstate.tree._flat import flatten_dict, unflatten_dict
 from modstate.tree._partition import combine, is_float, is_trainable, partition
 from modstate.tree._select import exclude, select
@@ -510,11 +511,7 @@ def _foreach_applies(leaves: list[Tensor], scalar: Any) -> bool:
     number (foreach kernels promote a 0-dim tensor or a numpy scalar differently from the
     per-tensor ops), and outside functorch transforms (foreach ops have no vmap rule).
     """
-    return (
-        type(scalar) in _SCALAR_TYPES
-        and bool(leaves)
-        and not torch._C._are_functorch_transforms_active()
-    )
+    return type(scalar) in _SCALAR_TYPES and bool(leaves) and not functorch_active()
 
 
 def _each(op: str, tree: Any, leaf_fn: Callable[[Tensor], Any], non_tensor: str) -> Any:
