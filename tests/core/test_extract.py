@@ -111,3 +111,51 @@ def test_random_trees_extract_like_state_dict(factory):
 
 def test_counter_module_has_its_buffer():
     assert ms.extract(Counter())["count"].dtype == torch.long
+
+
+# -- which leaves share memory with the module (issue 22, item 3) ------------------------------
+
+
+def test_copy_gives_a_snapshot_that_stays_while_the_model_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    shared = ms.extract(model, detach=True)
+    snapshot = ms.extract(model, copy=True)
+    start = ms.tree.clone(snapshot)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(8, 3)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for path, leaf in ms.flatten(snapshot).items():
+        assert torch.equal(leaf, ms.flatten(start)[path]), path  # the snapshot stayed
+        assert not leaf.requires_grad
+    # detach=True shares storage: it followed the model (issue 22's trap), copy=True did not.
+    assert torch.equal(shared["0"]["weight"], model[0].weight)
+    assert not torch.equal(snapshot["0"]["weight"], model[0].weight)
+
+
+def test_copy_keeps_ties_one_copy_at_every_path():
+    lm = TiedLM()
+    tree = ms.extract(lm, copy=True)
+    assert tree["embed"]["weight"] is tree["head"]["weight"]
+    assert tree["embed"]["weight"].data_ptr() != lm.embed.weight.data_ptr()
+
+
+def test_a_call_in_train_mode_on_a_copy_leaves_the_models_counter_alone():
+    """issue 22: ``ms.call(model, (ema, ints), x)`` in train mode with ``ints`` taken with
+    ``detach=True`` advanced the model's own ``num_batches_tracked`` through shared storage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # train mode
+    x = torch.randn(8, 3)
+
+    floats, ints = ms.tree.partition(ms.extract(model, detach=True), ms.tree.is_float)
+    ms.call(model, (floats, ints), x)
+    assert int(model[1].num_batches_tracked) == 1  # the trap: storage shared with the model
+
+    floats, ints = ms.tree.partition(ms.extract(model, copy=True), ms.tree.is_float)
+    running_mean = model[1].running_mean.clone()
+    ms.call(model, (floats, ints), x)
+    assert int(model[1].num_batches_tracked) == 1  # the documented recipe: the copy moved ...
+    assert int(ints["1"]["num_batches_tracked"]) == 2
+    assert torch.equal(model[1].running_mean, running_mean)  # ... the model did not

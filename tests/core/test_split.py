@@ -60,3 +60,23 @@ def test_split_params_go_through_grad_and_the_state_is_left_out():
     x = torch.randn(5, 3)
     grads = torch.func.grad(lambda p: ms.call(model, (p, state), x).sum())(params)
     assert ms.flatten(grads).keys() == ms.flatten(params).keys()
+
+
+def test_a_complex_parameter_that_requires_grad_is_trainable():
+    """One rule with ms.tree.is_trainable: floating or complex, and requires grad."""
+
+    class Spectral(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.filter = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+            self.frozen = nn.Parameter(torch.randn(4, dtype=torch.complex64), requires_grad=False)
+
+        def forward(self, x):
+            return (torch.fft.fft(x) * self.filter * self.frozen).abs().sum(-1)
+
+    module = Spectral()
+    params, state = ms.split(module, detach=True)
+    assert list(params) == ["filter"] and list(state) == ["frozen"]
+    x = torch.randn(2, 4)
+    grads = torch.func.grad(lambda p: ms.call(module, (p, state), x).sum())(params)
+    assert grads["filter"].dtype == torch.complex64  # torch.func.grad differentiates it

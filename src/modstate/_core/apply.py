@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .anatomy import Anatomy, anatomy_of
 from .call import call
-from .errors import MissingPaths
+from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from .flat import is_subtree, iter_leaves
 from .torch_facts import version
 from .types import Tree
@@ -91,13 +91,17 @@ _MISSING_FIX = (
     "params, state = ms.split(module, detach=True) (a path may be None in one and given by "
     "the other, as the halves of ms.tree.partition are)"
 )
+_SHAPES_FIX = (
+    "apply takes the module's shapes and dtypes, as ms.split(module, detach=True) gives them"
+)
+_APPLY_FIXES = {MissingPaths: _MISSING_FIX, ShapeMismatch: _SHAPES_FIX, DtypeMismatch: _SHAPES_FIX}
 
 
 def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
     try:
         return call(module, tree, *args, **kwargs)
-    except MissingPaths as error:
-        raise MissingPaths(error.paths, _MISSING_FIX) from None
+    except PathError as error:
+        raise error.within("apply", _APPLY_FIXES.get(type(error))) from None
     except RuntimeError as error:
         if "running_mean or running_var" in str(error) and "not batched" in str(error):
             error.add_note(_UNBATCHED_STATE_FIX)

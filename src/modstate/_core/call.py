@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import MissingPaths
+from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from .flat import flatten, unflatten
 from .prepare import prepare
 from .torch_facts import write_back
@@ -18,6 +18,15 @@ _CALL_FIX = (
     "ms.call(module, (params, state), ...), or use ms.call_partial(module, tree, ...) to keep "
     "the module's own tensors where the tree has none"
 )
+_OTHER_SHAPES_FIX = (
+    "call takes the module's shapes and dtypes; ms.call_partial(module, tree, ...) or "
+    "ms.inject(module, tree, strict=False) accept others"
+)
+_CALL_FIXES = {
+    MissingPaths: _CALL_FIX,
+    ShapeMismatch: _OTHER_SHAPES_FIX,
+    DtypeMismatch: _OTHER_SHAPES_FIX,
+}
 
 
 _MUTATED_BUFFER_FIX = (
@@ -63,8 +72,8 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
         return call_while_compiling(module, tree, args, kwargs, strict=True)
     try:
         swap = prepare(module, tree, True, compute=True)
-    except MissingPaths as error:
-        raise MissingPaths(error.paths, _CALL_FIX) from None
+    except PathError as error:
+        raise error.within("call", _CALL_FIXES.get(type(error))) from None
     swap.apply()
     try:
         return module(*args, **kwargs)
@@ -94,7 +103,10 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     """
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=False)
-    swap = prepare(module, tree, False, compute=True)
+    try:
+        swap = prepare(module, tree, False, compute=True)
+    except PathError as error:
+        raise error.within("call_partial") from None
     swap.apply()
     try:
         return module(*args, **kwargs)

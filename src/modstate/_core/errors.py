@@ -1,28 +1,140 @@
-"""The errors of the engine that every route raises alike."""
+"""The errors of the engine that every route raises alike, in the one format of modstate's errors:
+``"<function>: '<path>': <what>; <fix>"``.
+
+The engine (``prepare``) does not know which public function it serves, so it raises a
+:class:`PathError` without a function name and with the fix that fits the lenient options of
+``inject``; each public function re-raises it with :meth:`PathError.within`, naming itself and a fix
+that works where the user is (``call`` has no ``strict`` option, ``load`` never takes other shapes).
+"""
 
 from __future__ import annotations
 
-from .anatomy import Anatomy
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from .anatomy import Anatomy
 
 
-class MissingPaths(KeyError):
-    """A strict tree that leaves out some of the module's paths; ``paths`` lists them all."""
+_E = TypeVar("_E", bound="PathError")
 
-    def __init__(self, paths: list[str], fix: str) -> None:
-        self.paths = paths
-        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
-        super().__init__(f"the tree has no tensor for {shown} ({len(paths)} missing); {fix}")
 
-    def __str__(self) -> str:
+def message(function: str, path: str, what: str, fix: str = "") -> str:
+    """``"<function>: '<path>': <what>; <fix>"``, leaving out the parts that are empty."""
+    text = f"{path!r}: {what}" if path else what
+    if function:
+        text = f"{function}: {text}"
+    return f"{text}; {fix}" if fix else text
+
+
+class PathError(Exception):
+    """An error about one path of a tree: ``path``, ``what`` is wrong there, the ``fix``, and the
+    public ``function`` that raised it (empty while the engine raises it)."""
+
+    def __init__(self, path: str, what: str, fix: str = "", function: str = "") -> None:
+        self.path = path
+        self.what = what
+        self.fix = fix
+        self.function = function
+        super().__init__(message(function, path, what, fix))
+
+    def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 
+    def within(self: _E, function: str, fix: str | None = None) -> _E:
+        """The same error as ``function`` raises it, with ``fix`` instead of the engine's fix."""
+        error = type(self).__new__(type(self))
+        error.__dict__.update(self.__dict__)
+        error.function = function
+        if fix is not None:
+            error.fix = fix
+        Exception.__init__(error, message(function, error.path, error.what, error.fix))
+        return error
 
-def unknown_path_message(anatomy: Anatomy, path: str) -> str:
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (multiprocessing) despite __init__'s args
+        return (_rebuilt, (type(self), self.__dict__.copy(), self.args))
+
+
+def _rebuilt(cls: type[PathError], state: dict[str, Any], args: tuple) -> PathError:
+    error = cls.__new__(cls)
+    error.__dict__.update(state)
+    Exception.__init__(error, *args)
+    return error
+
+
+class PathValueError(PathError, ValueError):
+    """A :class:`PathError` that is a ``ValueError``: the value at ``path`` is wrong."""
+
+
+class PathTypeError(PathError, TypeError):
+    """A :class:`PathError` that is a ``TypeError``: the value at ``path`` has the wrong type."""
+
+
+class PathKeyError(PathError, KeyError):
+    """A :class:`PathError` that is a ``KeyError``: ``path`` is missing or unknown."""
+
+
+class MissingPaths(PathKeyError):
+    """A strict tree that leaves out some of the module's paths; ``paths`` lists them all, ``path``
+    is the first."""
+
+    def __init__(self, paths: list[str], fix: str, function: str = "") -> None:
+        self.paths = paths
+        others = ", ".join(repr(p) for p in paths[1:5]) + (" ..." if len(paths) > 5 else "")
+        what = "the tree has no tensor there" + (
+            f", nor at {others} ({len(paths)} paths missing)" if others else ""
+        )
+        super().__init__(paths[0], what, fix, function)
+
+
+class ShapeMismatch(PathValueError):
+    """The tree's tensor at ``path`` has another shape than the module's."""
+
+
+class DtypeMismatch(PathTypeError):
+    """The tree's tensor at ``path`` has another dtype than the module's."""
+
+
+class UnknownPath(PathKeyError):
+    """The tree gives a path at which the module holds no parameter or buffer."""
+
+
+class DuplicatePath(PathValueError):
+    """The tree gives one path twice (as a dotted key and nested, or in two trees of a tuple)."""
+
+
+def shape_mismatch(path: str, leaf: Tensor, current: Tensor) -> ShapeMismatch:
+    return ShapeMismatch(
+        path,
+        f"shape {tuple(leaf.shape)} in the tree, {tuple(current.shape)} in the module",
+        "strict=False accepts other shapes",
+    )
+
+
+def dtype_mismatch(path: str, leaf: Tensor, current: Tensor) -> DtypeMismatch:
+    return DtypeMismatch(
+        path,
+        f"dtype {leaf.dtype} in the tree, {current.dtype} in the module",
+        "strict=False accepts other dtypes",
+    )
+
+
+def unknown_path(anatomy: Anatomy, path: str) -> UnknownPath:
+    """The error for a tree path that names no slot of the module, saying what is there instead."""
     if path in anatomy.module_paths:
-        return f"{path!r} is a submodule: give a dict of its tensors, not a single value"
+        return UnknownPath(
+            path, "is a submodule, not a tensor", "give a dict of its tensors, not a single value"
+        )
     owner = path.rpartition(".")[0]
     while owner and owner not in anatomy.module_paths:
         if owner in anatomy.by_path:
-            return f"{path!r}: {owner!r} is a tensor, not a submodule"
+            return UnknownPath(
+                path, f"{owner!r} is a tensor, not a submodule", f"give {owner!r} itself"
+            )
         owner = owner.rpartition(".")[0]
-    return f"unknown path {path!r}: the module has no parameter or buffer there"
+    return UnknownPath(
+        path,
+        "unknown path: the module has no parameter or buffer there",
+        "leave it out, or check the key against ms.flatten(ms.extract(module))",
+    )

@@ -18,26 +18,55 @@ def extract(
     buffers: bool = True,
     use_state_dict: bool = False,
     detach: bool = False,
+    copy: bool = False,
 ) -> Tree:
     """The module's parameters and buffers as a nested dict that mirrors the module tree.
 
     Keys are the attribute names of children, parameters and buffers; children without state are
     left out, and a module reachable twice appears once (as in ``named_modules``). Leaves are the
-    module's own objects, non-persistent buffers included; ``buffers=False`` keeps parameters only.
+    module's own objects, non-persistent buffers included.
 
-    ``use_state_dict=True`` gives ``module.state_dict(keep_vars=True)`` nested instead: every
-    state_dict hook, ``_save_to_state_dict`` override and ``get_extra_state`` runs, so leaves may
-    be transformed tensors, renamed paths, or opaque non-tensor values (``_extra_state``);
-    non-persistent buffers are not in it. ``detach=True`` gives detached leaves (sharing storage,
-    ties kept: a tensor held at two paths is one detached tensor at both).
+    Which leaves share memory with the module:
 
-    >>> import torch, modstate as ms
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.BatchNorm1d(4))
-    >>> tree = ms.extract(model)
-    >>> list(tree), list(tree["2"])
-    (['0', '2'], ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked'])
-    >>> tree["0"]["weight"] is model[0].weight
-    True
+    - default: the module's own objects (same ``id``): an optimizer step shows in the tree.
+    - ``detach=True``: new tensor objects cut from the autograd graph, but **sharing storage**
+      with the module (as ``state_dict()`` values do): an in-place change on either side shows on
+      the other, so this is not a snapshot. It is what a functional loop wants (no copy).
+    - ``copy=True``: detached copies in memory of their own: a snapshot (a target network,
+      the start of an EMA) that stays as it is whatever the module does next.
+
+    Args:
+        module: Any ``nn.Module`` (TorchScript modules are refused).
+        buffers: Include buffers (BatchNorm statistics, non-persistent caches); ``False`` keeps
+            parameters only.
+        use_state_dict: Give ``module.state_dict(keep_vars=True)`` nested instead: every
+            state_dict hook, ``_save_to_state_dict`` override and ``get_extra_state`` runs, so
+            leaves may be transformed tensors, renamed paths, or opaque non-tensor values
+            (``_extra_state``); non-persistent buffers are not in it.
+        detach: Detached leaves sharing the module's storage; ties kept (a tensor held at two
+            paths is one detached tensor at both).
+        copy: Detached copies with their own memory (implies ``detach``); ties kept (one copy
+            at all the paths of a tie). Non-tensor leaves are not copied.
+
+    Returns:
+        A new nested ``dict``; ``ms.flatten`` of it has ``state_dict``'s dotted keys (plus the
+        non-persistent buffers, unless ``use_state_dict``).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or is a TorchScript module.
+
+    Example:
+        >>> import torch, modstate as ms
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.BatchNorm1d(4))
+        >>> tree = ms.extract(model)
+        >>> list(tree), list(tree["2"])
+        (['0', '2'], ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked'])
+        >>> tree["0"]["weight"] is model[0].weight
+        True
+        >>> snapshot = ms.extract(model, copy=True)       # a target network's weights
+        >>> _ = torch.nn.init.zeros_(model[0].weight)
+        >>> bool(snapshot["0"]["weight"].eq(0).all())     # unaffected by the change
+        False
     """
     if use_state_dict:
         tree = state_dict_tree(module, buffers=buffers)
@@ -49,11 +78,12 @@ def extract(
             tree = unflatten(
                 {slot.path: slot.get() for slot in anatomy.slots if not slot.is_buffer}
             )
-    return detached(tree) if detach else tree
+    return detached(tree, copy=copy) if detach or copy else tree
 
 
-def detached(tree: Tree) -> Tree:
-    """A copy of ``tree`` with every tensor leaf detached, one detached tensor per distinct leaf."""
+def detached(tree: Tree, *, copy: bool = False) -> Tree:
+    """A copy of ``tree`` with every tensor leaf detached (and, with ``copy``, cloned into memory
+    of its own), one new tensor per distinct leaf so that ties stay ties."""
     memo: dict[int, Any] = {}
 
     def detach(value: Any) -> Any:
@@ -61,7 +91,10 @@ def detached(tree: Tree) -> Tree:
             return value
         out = memo.get(id(value))
         if out is None:
-            out = memo[id(value)] = value.detach()
+            out = value.detach()
+            if copy:
+                out = out.clone()
+            memo[id(value)] = out
         return out
 
     return unflatten({path: detach(leaf) for path, leaf in iter_leaves(tree)})

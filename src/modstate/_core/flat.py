@@ -7,6 +7,7 @@ from typing import Any
 
 import optree
 
+from .errors import DuplicatePath, PathError, PathTypeError, PathValueError
 from .types import Tree
 
 EXTRA_STATE = "_extra_state"
@@ -18,13 +19,20 @@ def is_subtree(key: str, value: Any) -> bool:
     return isinstance(value, Mapping) and key != EXTRA_STATE
 
 
+def non_string_key(key: object, prefix: str) -> PathTypeError:
+    """The error for a tree key that is not a string, ``prefix`` being the dotted path above it."""
+    return PathTypeError(
+        f"{prefix}{key}",
+        f"the key {key!r} is of type {type(key).__name__}",
+        "tree keys are strings (attribute names, or state_dict's dotted keys)",
+    )
+
+
 def iter_leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Yield ``(dotted_path, leaf)`` for every leaf of ``tree``, in insertion order."""
     for key, value in tree.items():
         if not isinstance(key, str):
-            raise TypeError(
-                f"tree keys must be strings, got {key!r} under {prefix[:-1] or 'the root'!r}"
-            )
+            raise non_string_key(key, prefix)
         if is_subtree(key, value):
             yield from iter_leaves(value, f"{prefix}{key}.")
         else:
@@ -34,25 +42,62 @@ def iter_leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str
 def flatten(tree: Mapping[str, Any]) -> dict[str, Any]:
     """Flatten a nested tree into ``state_dict``-style dotted keys, keeping the tree's order.
 
-    ``_extra_state`` values are leaves even when they are dicts, as in ``state_dict``.
+    ``_extra_state`` values are leaves even when they are dicts, as in ``state_dict``. A key that
+    already holds dots is kept as it is, so a flat dict flattens to itself and a tree may mix
+    both forms, as long as it gives each path once.
 
-    >>> import torch
-    >>> flatten({"0": {"weight": torch.ones(1), "bias": torch.zeros(1)}}).keys()
-    dict_keys(['0.weight', '0.bias'])
+    Args:
+        tree: A nested dict (or any mapping) whose keys are strings.
+
+    Returns:
+        A new flat ``dict`` from dotted path (``"encoder.0.weight"``) to leaf, in the tree's
+        order; the leaves are the tree's own objects.
+
+    Raises:
+        TypeError: A key is not a string.
+        ValueError: A path is given twice (as a dotted key and nested).
+
+    Example:
+        >>> import torch, modstate as ms
+        >>> ms.flatten({"0": {"weight": torch.ones(1), "bias": torch.zeros(1)}}).keys()
+        dict_keys(['0.weight', '0.bias'])
     """
-    return dict(iter_leaves(tree))
+    flat: dict[str, Any] = {}
+    try:
+        for path, leaf in iter_leaves(tree):
+            if path in flat:
+                raise DuplicatePath(
+                    path,
+                    "given twice, as a dotted key and nested",
+                    "a tree may mix dotted keys and nested dicts, but gives each path once",
+                )
+            flat[path] = leaf
+    except PathError as error:
+        raise error.within("flatten") from None
+    return flat
 
 
 def unflatten(flat: Mapping[str, Any]) -> Tree:
     """Nest ``state_dict``-style dotted keys into a tree; ``flatten`` undoes it.
 
-    Keys are split on dots; insertion order is kept, so ``flatten(unflatten(sd))`` lists the keys of
-    ``sd`` in the same order whenever the keys under each prefix are contiguous, as ``state_dict``
-    produces them.
+    Keys are split on dots; insertion order is kept, so ``flatten(unflatten(sd))`` lists the keys
+    of ``sd`` in the same order whenever the keys under each prefix are contiguous, as
+    ``state_dict`` produces them.
 
-    >>> import torch
-    >>> unflatten({"0.weight": torch.ones(1), "0.bias": torch.zeros(1)})["0"].keys()
-    dict_keys(['weight', 'bias'])
+    Args:
+        flat: A mapping from dotted path to leaf, such as ``model.state_dict()``.
+
+    Returns:
+        A new nested ``dict`` holding the same leaf objects.
+
+    Raises:
+        ValueError: A path appears twice, or is both a leaf and the prefix of another path
+            (``"a"`` and ``"a.b"``).
+
+    Example:
+        >>> import torch, modstate as ms
+        >>> ms.unflatten({"0.weight": torch.ones(1), "0.bias": torch.zeros(1)})["0"].keys()
+        dict_keys(['weight', 'bias'])
     """
     root: Tree = {}
     nodes: dict[str, Tree] = {"": root}
@@ -64,7 +109,12 @@ def unflatten(flat: Mapping[str, Any]) -> Tree:
             last_node = nodes.get(prefix) or _make_node(nodes, prefix, key)
             last_prefix = prefix
         if name in last_node:
-            raise ValueError(f"path {key!r} appears twice, or both as a leaf and as a prefix")
+            raise PathValueError(
+                key,
+                "appears twice, or both as a leaf and as the prefix of other paths",
+                "give each path once, and no leaf where other paths continue",
+                "unflatten",
+            )
         last_node[name] = value
     return root
 
@@ -78,7 +128,12 @@ def _make_node(nodes: dict[str, Tree], prefix: str, key: str) -> Tree:
     if node is None:
         node = parent[name] = {}
     elif not is_subtree(name, node):
-        raise ValueError(f"path {key!r} lies under {prefix!r}, which is already a leaf")
+        raise PathValueError(
+            key,
+            f"lies under {prefix!r}, which is already a leaf",
+            "give each path once, and no leaf where other paths continue",
+            "unflatten",
+        )
     nodes[prefix] = node
     return node
 
@@ -91,9 +146,12 @@ class Layout:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
-        self.order, self.treespec = optree.tree_flatten(
-            unflatten(dict(zip(keys, range(len(keys)))))
-        )
+        positions: dict[str, Any] = unflatten(dict(zip(keys, range(len(keys)))))
+        order, self.treespec = optree.tree_flatten(positions)
+        self.order: list[int] = list(order)
 
     def nest(self, values: list[Any]) -> Tree:
-        return optree.tree_unflatten(self.treespec, list(map(values.__getitem__, self.order)))
+        nested: Tree = optree.tree_unflatten(
+            self.treespec, list(map(values.__getitem__, self.order))
+        )
+        return nested

@@ -30,6 +30,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 from torch.nn.parameter import is_lazy
 
 from .anatomy import buffer_paths
+from .errors import PathError
 from .flat import Layout, unflatten
 from .types import Tree
 
@@ -120,10 +121,11 @@ def _visit(
     elif in_place:
         plan.overridden.append((module, local, prefix))
     else:
-        raise NotImplementedError(
-            f"module {prefix[:-1] or 'at the root'!r} ({type(module).__name__}) overrides "
-            "_load_from_state_dict, which cannot be replayed reversibly; use modstate.load "
-            "(which calls it) or use_state_dict=False"
+        raise Unreplayable(
+            prefix[:-1],
+            f"{type(module).__name__} overrides _load_from_state_dict, which cannot be replayed "
+            "reversibly",
+            "use modstate.load (which calls it), or use_state_dict=False",
         )
     for name, child in module._modules.items():
         if child is not None:
@@ -133,9 +135,10 @@ def _visit(
     incompatible = _IncompatibleKeys(plan.missing, plan.unexpected)
     for hook in module._load_state_dict_post_hooks.values():
         if hook(module, incompatible) is not None:
-            raise AssertionError(
-                f"a load_state_dict post-hook of {prefix[:-1] or 'the root'!r} returned a value; "
-                "post-hooks edit incompatible_keys in place"
+            raise HookReturned(
+                prefix[:-1],
+                "a load_state_dict post-hook returned a value",
+                "post-hooks edit incompatible_keys in place and return None",
             )
 
 
@@ -149,7 +152,7 @@ def _run_pre_hooks(
 def _match_own_keys(
     module: nn.Module, local: dict[str, Any], prefix: str, plan: LoadPlan, check_shapes: bool
 ) -> None:
-    own = [
+    own: list[tuple[dict[str, Any], str, bool]] = [
         (module._parameters, name, False) for name, p in module._parameters.items() if p is not None
     ]
     own += [
@@ -165,7 +168,9 @@ def _match_own_keys(
         value = local[key]
         current = table[name]
         if not torch.overrides.is_tensor_like(value):
-            plan.errors.append(f"{key!r}: expected a tensor, got {type(value).__name__}")
+            plan.errors.append(
+                f"{key!r}: expected a tensor, got {type(value).__name__}; give a tensor there"
+            )
             continue
         if not is_lazy(current) and not is_lazy(value):
             if current.dim() == 0 and value.shape == (1,):
@@ -173,7 +178,8 @@ def _match_own_keys(
             if check_shapes and value.shape != current.shape:
                 plan.errors.append(
                     f"{key!r}: shape {tuple(value.shape)} in the tree, "
-                    f"{tuple(current.shape)} in the module"
+                    f"{tuple(current.shape)} in the module; strict=False accepts other shapes, "
+                    "except in load, which copies into the module's tensors"
                 )
                 continue
         plan.assignments.append(Assignment(table, name, key, value, is_buffer))
@@ -204,7 +210,7 @@ def _replay_norm_versions(
         if stale:
             plan.errors.append(
                 f"{stale[0]!r}: running statistics given for {type(module).__name__} with "
-                "track_running_stats=False"
+                "track_running_stats=False; leave them out of the tree"
             )
             for key in stale:
                 local.pop(key)
@@ -219,9 +225,19 @@ def _replay_norm_versions(
             )
 
 
-def run_overridden_loads(plan: LoadPlan) -> None:
-    """Let modules with their own ``_load_from_state_dict`` load themselves (copying)."""
+def run_overridden_loads(plan: LoadPlan, *, assign: bool = False) -> None:
+    """Let modules with their own ``_load_from_state_dict`` load themselves (copying, or
+    assigning as ``load_state_dict(assign=True)`` tells them through their metadata)."""
+    metadata = {"assign_to_params_buffers": True} if assign else {}
     for module, local, prefix in plan.overridden:
         module._load_from_state_dict(
-            local, prefix, {}, True, plan.missing, plan.unexpected, plan.errors
+            local, prefix, dict(metadata), True, plan.missing, plan.unexpected, plan.errors
         )
+
+
+class Unreplayable(PathError, NotImplementedError):
+    """A module whose ``_load_from_state_dict`` override cannot be replayed reversibly."""
+
+
+class HookReturned(PathError, AssertionError):
+    """A ``load_state_dict`` post-hook returned a value (torch raises the same)."""

@@ -5,34 +5,44 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .flat import is_subtree
+from .errors import DuplicatePath, PathTypeError
+from .flat import is_subtree, non_string_key
 from .types import TreeArg
+
+TWICE_IN_ONE_TREE = (
+    "given twice in one tree, as a dotted key and nested",
+    "a tree may mix state_dict-style dotted keys and nested dicts, but gives each path once",
+)
 
 
 def leaves_of(tree: TreeArg) -> Iterator[tuple[str, Any, Any, str]]:
     """``(path, leaf, node, key)`` for every leaf of a tree or of several trees, ``node[key]``
-    being where the leaf sits; refuses anything else, and a path given by two trees.
+    being where the leaf sits; refuses anything else, and a path given twice.
 
+    A key with dots is the path it spells (``{"0.weight": w}`` gives ``"0.weight"``, as
+    ``state_dict()`` keys do), so one tree could give a path twice, as a dotted key and nested:
+    that is an error naming the path, and so is a path given by two trees of a tuple.
     A None leaf is a hole: the path is not given by this tree (the halves that
     ``modstate.tree.partition`` makes hold None where a leaf went to the other half)."""
-    if isinstance(tree, (tuple, list)):
-        seen: set[str] = set()
-        for component in tree:
-            _check_is_tree(component)
-            for item in _leaves_with_parents(component, ""):
-                if item[0] in seen:
-                    raise ValueError(f"{item[0]!r} is given by two of the trees")
-                seen.add(item[0])
-                yield item
-    else:
-        _check_is_tree(tree)
-        yield from _leaves_with_parents(tree, "")
+    components = tree if isinstance(tree, (tuple, list)) else (tree,)
+    given_by: dict[str, int] = {}
+    for index, component in enumerate(components):
+        _check_is_tree(component)
+        for item in _leaves_with_parents(component, ""):
+            path = item[0]
+            if path in given_by:
+                if given_by[path] == index:
+                    raise DuplicatePath(path, *TWICE_IN_ONE_TREE)
+                raise DuplicatePath(path, "given by two of the trees", "give it in one of them")
+            given_by[path] = index
+            yield item
 
 
 def _check_is_tree(tree: Any) -> None:
     if not isinstance(tree, Mapping):
-        raise TypeError(
-            f"expected a tree (a dict of tensors) or a tuple of trees, got {type(tree).__name__}"
+        raise PathTypeError(
+            "",
+            f"expected a tree (a dict of tensors) or a tuple of trees, got {type(tree).__name__}",
         )
 
 
@@ -41,9 +51,7 @@ def _leaves_with_parents(
 ) -> Iterator[tuple[str, Any, Any, str]]:
     for key, value in tree.items():
         if not isinstance(key, str):
-            raise TypeError(
-                f"tree keys must be strings, got {key!r} under {prefix[:-1] or 'the root'!r}"
-            )
+            raise non_string_key(key, prefix)
         if is_subtree(key, value):
             yield from _leaves_with_parents(value, f"{prefix}{key}.")
         elif value is not None:

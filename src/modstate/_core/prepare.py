@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from .anatomy import Anatomy, ModuleGuard, anatomy_of
-from .errors import MissingPaths, unknown_path_message
+from .errors import MissingPaths, dtype_mismatch, shape_mismatch, unknown_path
 from .flat import unflatten
 from .hooks import Assignment, LoadPlan, plan_load
 from .leaves import leaves_of
@@ -104,7 +104,7 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
     for path, leaf, node, key in leaves_of(tree):
         i = index_of.get(path)
         if i is None:
-            raise KeyError(unknown_path_message(anatomy, path))
+            raise unknown_path(anatomy, path)
         if not isinstance(leaf, Tensor):
             raise TypeError(f"{path!r}: expected a tensor, got {type(leaf).__name__}")
         if strict:
@@ -160,15 +160,9 @@ def _check_like(path: str, leaf: Tensor, current: Tensor) -> None:
     if is_lazy(current) or is_lazy(leaf):
         return
     if leaf.shape != current.shape:
-        raise ValueError(
-            f"{path!r}: shape {tuple(leaf.shape)} in the tree, {tuple(current.shape)} in the module "
-            "(strict=False accepts other shapes)"
-        )
+        raise shape_mismatch(path, leaf, current)
     if leaf.dtype != current.dtype:
-        raise TypeError(
-            f"{path!r}: dtype {leaf.dtype} in the tree, {current.dtype} in the module "
-            "(strict=False accepts other dtypes)"
-        )
+        raise dtype_mismatch(path, leaf, current)
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
