@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from modstate.checkpoint._commit import why_absent
 from modstate.checkpoint._leaves import is_dtensor
 
 
@@ -39,7 +41,10 @@ def to_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
     """
     for path, leaf in flat.items():
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
-            raise ValueError(f"cannot save leaf {path!r}: it is a meta tensor and holds no data")
+            raise ValueError(
+                f"checkpoint.save_distributed: {path!r}: it is a meta tensor and holds no data; "
+                "materialize the model first (ms.load(model, tree, assign=True))"
+            )
     return {
         path: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
         for path, leaf in flat.items()
@@ -47,13 +52,20 @@ def to_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_metadata(directory: str | os.PathLike) -> Metadata:
+    """The checkpoint's metadata; refuses a directory that holds no complete checkpoint."""
     name = os.fspath(directory)
     if not os.path.isdir(name):
-        raise FileNotFoundError(f"no distributed checkpoint at {name!r}: not a directory")
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"checkpoint.load_distributed: {name!r}: no distributed checkpoint there (not a "
+            f"directory): {why_absent(os.path.abspath(name))}",
+        )
     if not os.path.exists(os.path.join(name, ".metadata")):
         raise FileNotFoundError(
-            f"{name!r} holds no complete distributed checkpoint: its .metadata file, written "
-            "last by save_distributed, is missing (was the save interrupted?)"
+            errno.ENOENT,
+            f"checkpoint.load_distributed: {name!r}: no complete distributed checkpoint: its "
+            ".metadata file, written last, is missing (a save by another tool was interrupted, "
+            "or the directory is not a checkpoint); load an earlier checkpoint",
         )
     return dcp.FileSystemReader(name).read_metadata()
 
@@ -73,8 +85,8 @@ def as_saved_targets(name: str, metadata: Metadata, prefixes: tuple[str, ...]) -
         found = [origin for origin in origins if under(origin, (prefix,))]
         if not found:
             raise ValueError(
-                f"cannot load {name!r}: as_saved names {prefix!r}, but the checkpoint holds "
-                "nothing there"
+                f"checkpoint.load_distributed: {name!r}: as_saved names {prefix!r}, but the "
+                "checkpoint holds nothing there; name a path it holds (or leave as_saved out)"
             )
         for origin in found:
             entry = metadata.state_dict_metadata.get(origin)
@@ -149,7 +161,10 @@ def check_compatible(
     if problems:
         shown = "; ".join(problems[:8])
         more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
-        raise ValueError(f"cannot load {name!r} into like: {shown}{more}")
+        raise ValueError(
+            f"checkpoint.load_distributed: {name!r}: like does not fit it: {shown}{more}; "
+            "give a like tree laid out as the checkpoint was saved"
+        )
 
 
 def empty_targets(flat_like: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
@@ -164,8 +179,8 @@ def empty_targets(flat_like: Mapping[str, Any], metadata: Metadata) -> dict[str,
         if isinstance(leaf, torch.Tensor):
             if leaf.device.type == "meta" and not is_dtensor(leaf):
                 raise ValueError(
-                    f"cannot load into like leaf {path!r}: it is a meta tensor; give a like "
-                    "tree on a real device"
+                    f"checkpoint.load_distributed: {path!r}: like holds a meta tensor there, "
+                    "which cannot receive data; give a like tree on a real device"
                 )
             if id(leaf) not in made:
                 made[id(leaf)] = torch.empty_like(leaf.detach())
@@ -191,7 +206,9 @@ def non_tensor_target(path: str, like_leaf: Any, metadata: Metadata) -> Any:
     if not items:
         if isinstance(like_leaf, (dict, list)) and not like_leaf:
             return like_leaf
-        raise ValueError(f"cannot load into like: {path!r} is not in the checkpoint")
+        raise ValueError(
+            f"checkpoint.load_distributed: {path!r}: not in the checkpoint; leave it out of like"
+        )
     if len(items) == 1 and items[0][0] == ():
         return _placeholder(items[0][1])
     root: dict = {}

@@ -16,8 +16,10 @@ tensors, in the file's order, with no ties.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -78,11 +80,26 @@ def pack(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 
 def write(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    safetensors.torch.save_file(tensors, path, metadata=metadata)
+    """Write a safetensors file; a failed write raises ``OSError`` with the errno of the cause."""
+    try:
+        safetensors.torch.save_file(tensors, path, metadata=metadata)
+    except safetensors.SafetensorError as error:
+        # safetensors reports I/O failures as SafetensorError("... (os error 28)"), which an
+        # ``except OSError`` would not catch: give them back their errno.
+        found = re.search(r"os error (\d+)", str(error))
+        if found is None and "I/O error" not in str(error):
+            raise
+        number = int(found.group(1)) if found else errno.EIO
+        raise OSError(number, os.strerror(number)) from error
 
 
-def read(path: str | os.PathLike, device: torch.device) -> dict[str, Any]:
+def read(path: str | os.PathLike, device: torch.device, *, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint file into a flat dict (paths in tree order), never unpickling.
+
+    ``mmap=False``: the tensors are read into memory of their own and checked against their
+    checksums. ``mmap=True``: the tensors map the file (copy-on-write: writing to them never
+    changes the file), so they cost no memory until they are read; the checksums are not
+    verified, since that would read every byte.
 
     Raises ``ValueError`` naming the file when it is not a safetensors file (a pickle or a
     ``torch.save`` archive is recognised and named as such), is truncated, or its contents do
@@ -91,28 +108,47 @@ def read(path: str | os.PathLike, device: torch.device) -> dict[str, Any]:
     name = os.fspath(path)
     _refuse_foreign_file(name)
     try:
-        with safetensors.safe_open(name, framework="pt", device="cpu") as handle:
-            header = handle.metadata() or {}
-            names = handle.keys()  # a safe_open handle is not iterable
-            tensors = {key: handle.get_tensor(key) for key in names}
+        header, tensors = _open(name, mmap)
     except safetensors.SafetensorError as error:
         raise ValueError(
-            f"{name!r} is not a readable safetensors file ({error}); it may be truncated or "
-            "corrupted"
+            f"checkpoint.load: {name!r}: not a readable safetensors file ({error}); it may be "
+            "truncated or corrupted: load another checkpoint"
         ) from error
     record_text = header.get(RECORD_KEY)
     if record_text is None:
         flat: dict[str, Any] = dict(tensors)
     else:
-        flat = _assemble(name, tensors, _parse_record(name, record_text, tensors))
+        flat = _assemble(name, tensors, _parse_record(name, record_text, tensors), verify=not mmap)
     return _to_device(flat, device)
 
 
-def _assemble(name: str, tensors: dict[str, torch.Tensor], record: dict) -> dict[str, Any]:
-    for path, expected in record["crc32"].items():
+def _open(name: str, mmap: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The header metadata and the tensors, mapping the file or read into memory of their own."""
+    if not mmap:
+        try:  # safetensors >= 0.7 reads straight into memory with pread(2)
+            return _tensors(safetensors.safe_open(name, framework="pt", backend="pread"))
+        except TypeError:
+            pass
+    header, tensors = _tensors(safetensors.safe_open(name, framework="pt"))
+    if not mmap:  # an older safetensors maps the file: copy out of it
+        tensors = {key: tensor.clone() for key, tensor in tensors.items()}
+    return header, tensors
+
+
+def _tensors(opened: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    with opened as handle:
+        names = handle.keys()  # a safe_open handle is not iterable
+        return handle.metadata() or {}, {key: handle.get_tensor(key) for key in names}
+
+
+def _assemble(
+    name: str, tensors: dict[str, torch.Tensor], record: dict, *, verify: bool
+) -> dict[str, Any]:
+    for path, expected in record["crc32"].items() if verify else ():
         if _crc32(tensors[path]) != expected:
             raise ValueError(
-                f"{name!r} is corrupted: the bytes of tensor {path!r} do not match their checksum"
+                f"checkpoint.load: {name!r}: corrupted: the bytes of tensor {path!r} do not "
+                "match their checksum; load another checkpoint"
             )
     flat: dict[str, Any] = {}
     for path in record["order"]:
@@ -127,7 +163,10 @@ def _assemble(name: str, tensors: dict[str, torch.Tensor], record: dict) -> dict
 
 def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> dict:
     def corrupted(why: str) -> ValueError:
-        return ValueError(f"{name!r} has a corrupted modstate record in its header: {why}")
+        return ValueError(
+            f"checkpoint.load: {name!r}: a corrupted modstate record in its header ({why}); "
+            "load another checkpoint"
+        )
 
     try:
         record = json.loads(text)
@@ -138,8 +177,9 @@ def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> 
     version = record.get("version")
     if version != FORMAT_VERSION:
         raise ValueError(
-            f"{name!r} was written in modstate checkpoint format {version!r}; this version of "
-            f"modstate reads format {FORMAT_VERSION}"
+            f"checkpoint.load: {name!r}: written in modstate checkpoint format {version!r}; "
+            f"this version of modstate reads format {FORMAT_VERSION}: load it with the modstate "
+            "that wrote it"
         )
     order, ties, values, checksums = (record.get(k) for k in ("order", "ties", "values", "crc32"))
     if not (
@@ -174,21 +214,27 @@ def _refuse_foreign_file(name: str) -> None:
         return
     if head.startswith(b"PK\x03\x04"):
         raise ValueError(
-            f"{name!r} is a zip archive (as torch.save writes), not a safetensors file; "
-            "modstate.checkpoint.load never unpickles. If you trust the file, load it with "
-            "torch.load(path, weights_only=True) and save it again with modstate.checkpoint.save"
+            f"checkpoint.load: {name!r}: a zip archive (as torch.save writes), not a safetensors "
+            "file, and modstate.checkpoint.load never unpickles; if you trust the file, load it "
+            "with torch.load(path, weights_only=True) and save it again with "
+            "modstate.checkpoint.save"
         )
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         raise ValueError(
-            f"{name!r} is a pickle, not a safetensors file; modstate.checkpoint.load never "
-            "unpickles, so it was not opened"
+            f"checkpoint.load: {name!r}: a pickle, not a safetensors file (it was not opened: "
+            "modstate.checkpoint.load never unpickles); if you trust the file, load it with "
+            "torch.load(path, weights_only=True) (a torch.save file) and save it again with "
+            "modstate.checkpoint.save"
         )
     if len(head) == 9 and head[8:] == b"{":
         raise ValueError(
-            f"{name!r} is truncated: its safetensors header claims {header_length} bytes but "
-            f"the file has {size} bytes"
+            f"checkpoint.load: {name!r}: truncated: its safetensors header claims "
+            f"{header_length} bytes but the file has {size} bytes; load another checkpoint"
         )
-    raise ValueError(f"{name!r} is not a safetensors file (or is empty or truncated)")
+    raise ValueError(
+        f"checkpoint.load: {name!r}: not a safetensors file (or empty, or truncated); give a "
+        "file that modstate.checkpoint.save or safetensors wrote"
+    )
 
 
 def _to_device(flat: dict[str, Any], device: torch.device) -> dict[str, Any]:
