@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import optree
 
@@ -146,12 +146,10 @@ class Layout:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
-        positions: dict[str, Any] = unflatten(dict(zip(keys, range(len(keys)))))
+        positions: Any = unflatten(dict(zip(keys, range(len(keys)))))
         order, self.treespec = optree.tree_flatten(positions)
         self.order: list[int] = list(order)
 
     def nest(self, values: list[Any]) -> Tree:
-        nested: Tree = optree.tree_unflatten(
-            self.treespec, list(map(values.__getitem__, self.order))
-        )
-        return nested
+        nested = optree.tree_unflatten(self.treespec, list(map(values.__getitem__, self.order)))
+        return cast(Tree, nested)

@@ -62,7 +62,7 @@ def pack(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, st
             ties[path] = first_path_of_view[view]
             continue
         storage = _storage_key(tensor)
-        if view is not None:
+        if view is not None and storage is not None:  # (a view key implies a storage key)
             first_path_of_view[view] = path
             if storage in storages_in_use:
                 tensor = tensor.clone(memory_format=torch.contiguous_format)
@@ -270,4 +270,5 @@ def _crc32(tensor: torch.Tensor) -> int:
     flat_bytes = tensor.detach().contiguous().reshape(-1)
     if flat_bytes.numel() == 0:
         return 0
-    return zlib.crc32(flat_bytes.view(torch.uint8).numpy())
+    data: Any = flat_bytes.view(torch.uint8).numpy()  # a buffer, read in place
+    return zlib.crc32(data)
