@@ -11,8 +11,10 @@ gloo groups (2 ranks, the folder's shared launch).
 - FSDP2 over tensor parallel (2-D meshes 2x1 and 1x2): calls compute the unsharded model and the
   module trains on.
 - Edges: ``register_fsdp_forward_method``, a unit whose output is a view modified in place,
-  ``torch.func.grad`` of ``vmap_call`` (and ``vmap`` of ``grad`` refused, naming it), a tree
-  modified in place between forward and backward (refused).
+  ``call_partial`` with a partial tree, ``torch.func.grad`` of ``vmap_call`` (``vmap`` of
+  ``grad`` refused, naming it), a gradient penalty on the inputs (a second derivative through
+  the leaves' gradient pieces refused), a tree modified in place between forward and backward
+  (refused).
 """
 
 from __future__ import annotations
@@ -312,6 +314,10 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
     loss(leaves, model).backward()
     assert same_grads(ms.tree.map(lambda t: t.grad, leaves), want_grads, tree)
     assert vars(model.encoder)["encode"] is registered  # FSDP's wrapper is back
+    # call_partial: the paths a tree leaves out keep the module's own (gathered with their unit).
+    part = {"transposed": tree["transposed"]}
+    merged = {**full(ms.extract(model)), "transposed": full(part)["transposed"]}
+    assert close(ms.call_partial(model, part, x), ms.call(reference, merged, x))
 
     # A tree changed in place between the forward and the backward is refused (the backward
     # gathers it again); changing it after the backward is the fix.
@@ -328,6 +334,30 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
     value.backward()
     with torch.no_grad():
         leaves["encoder"]["layer"]["weight"].add_(1.0)
+
+    # A second derivative through the leaves' gradient pieces is refused; with respect to the
+    # inputs (a gradient penalty) it works, as the message says.
+    value = loss(leaves, model)
+    try:
+        torch.autograd.grad(value, list(ms.flatten(leaves).values()), create_graph=True)
+    except NotImplementedError as error:
+        assert "with respect to the inputs" in str(error), error
+    else:
+        raise AssertionError("a second derivative through gradient pieces was accepted")
+
+    def penalized(params: dict, module: nn.Module) -> list[torch.Tensor]:
+        params = ms.tree.map(lambda t: t.detach().requires_grad_(), params)
+        inputs = x.clone().requires_grad_()
+        out = ms.call(module, params, inputs)
+        (slope,) = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        (out.pow(2).sum() + slope.pow(2).sum()).backward()
+        return [
+            leaf.grad.full_tensor() if isinstance(leaf.grad, DTensor) else leaf.grad
+            for leaf in ms.flatten(params).values()
+        ]
+
+    for got, wanted in zip(penalized(tree, model), penalized(full(tree), reference)):
+        assert close(got, wanted)
 
     # torch.func.grad of vmap_call over a stack of trees; vmap of grad is refused, naming it.
     stacked = ms.stack([tree, ms.tree.map(lambda t: t * 0.5, tree)])

@@ -24,18 +24,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_NESTED = (
-    "a call on a sharded module gathers its DTensors in a torch.autograd.Function, which nested "
-    "torch.func transforms (grad of grad, hessian, jvp) cannot differentiate through; use one "
-    "level of torch.func.grad / vjp (with vmap around or inside it), or gather the tree first "
-    "(ms.tree.map(lambda t: t.full_tensor(), tree)) and call an unsharded copy of the module"
-)
+from .torch_facts import functorch_active
 
 _VMAP_OF_GRAD = (
     "torch.vmap around torch.func.grad (per-sample gradients) through a call on a sharded module "
     "is not supported: the gradient of a DTensor leaf would be batched, which its pieces cannot "
     "be; put torch.func.grad around the vmap instead (torch.func.grad of ms.vmap_call), or loop "
     "over the samples"
+)
+
+_SECOND_ORDER = (
+    "a second derivative through the gradient of a sharded call's DTensor leaves "
+    "(create_graph=True, torch.func.grad of torch.func.grad, hessian) is not supported: each "
+    "rank's gradient piece is cut from its own full gradient, so differentiating it again would "
+    "leave out the other ranks' rows; differentiate twice with respect to the inputs only (that "
+    "works), or gather the tree (leaf.full_tensor()) and call an unsharded copy of the module"
 )
 
 
@@ -250,8 +253,6 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(gathered: Gathered, *values: Any) -> tuple[Tensor, ...]:  # type: ignore[override]
-        if any(torch._C._functorch.is_functorch_wrapped_tensor(v) for v in values):
-            raise RuntimeError(_NESTED)
         return tuple(gathered.gather(list(values)))
 
     @staticmethod
@@ -260,9 +261,13 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        # A backward that records a graph of its own (create_graph=True, or a torch.func level
+        # outside this one; a single torch.func.grad records one that nothing uses).
+        if _grad_levels() > 1 if functorch_active() else torch.is_grad_enabled():
+            raise NotImplementedError(_SECOND_ORDER)
         gathered: Gathered = ctx.gathered
         pieces = gathered.pieces(grads)
-        if gathered.releasing:
+        if gathered.releasing:  # the unit's gradients are done: its memory goes again
             gathered.free()
         return (None, *pieces)
 
@@ -272,6 +277,13 @@ class _Gather(torch.autograd.Function):
         moved = [v if d is None or d == 0 else v.movedim(d, 0) for v, d in zip(values, in_dims[1:])]
         outs = _Gather.apply(gathered, *moved)
         return outs, tuple(None if d is None else 0 for d in in_dims[1:])
+
+
+def _grad_levels() -> int:
+    """How many torch.func transforms that differentiate (grad, vjp, jvp) are running."""
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    kinds = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+    return sum(interpreter.key() in kinds for interpreter in stack)
 
 
 def gather(gathered: Gathered, values: list[Any]) -> list[Tensor]:

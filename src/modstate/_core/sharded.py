@@ -84,9 +84,10 @@ class Sharding:
     them (the innermost one above), for the units whose FSDP2 hooks a call can stand in for.
     ``methods``: ``(module, name)`` of the methods registered with FSDP2's
     ``register_fsdp_forward_method`` (an instance attribute wrapping the class's method).
+    ``unit_tables``: the ``_parameters`` dicts that ``unit_of`` maps.
     """
 
-    __slots__ = ("fsdp_owned", "hooks", "methods", "unit_of")
+    __slots__ = ("fsdp_owned", "hooks", "methods", "unit_of", "unit_tables")
 
     def __init__(
         self,
@@ -94,11 +95,13 @@ class Sharding:
         fsdp_owned: dict[int, tuple[str, str]],
         unit_of: dict[int, nn.Module],
         methods: list[tuple[nn.Module, str]],
+        unit_tables: list[dict[str, Any]],
     ) -> None:
         self.hooks = hooks
         self.fsdp_owned = fsdp_owned
         self.unit_of = unit_of
         self.methods = methods
+        self.unit_tables = unit_tables
 
     def units(self, tables: list[dict[str, Any]]) -> list[tuple[nn.Module, list[int]]]:
         """Every FSDP unit, with the positions in ``tables`` of the slots it owns (a unit owning
@@ -111,6 +114,18 @@ class Sharding:
             if module is not None:
                 positions[id(module)][1].append(i)
         return list(positions.values())
+
+    def untouched(self, tables: list[dict[str, Any]], names: list[str]) -> list[tuple[Any, ...]]:
+        """``(table, name, parameter)`` of every ``DTensor`` parameter of an FSDP unit that is
+        not among ``tables`` / ``names`` (a partial tree leaves it to the module): the unit's
+        stand-in gathers it with the rest, as FSDP would."""
+        given = {(id(table), name) for table, name in zip(tables, names)}
+        return [
+            (table, name, value)
+            for table in self.unit_tables
+            for name, value in table.items()
+            if (id(table), name) not in given and is_dtensor(value)
+        ]
 
     def bypass(self, stand_ins: StandIns | None = None) -> Callable[[], None]:
         """Take the parallelism's forward hooks off, FSDP2's replaced by
@@ -216,6 +231,7 @@ def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sha
     ]
     fsdp_owned: dict[int, tuple[str, str]] = {}
     unit_of: dict[int, nn.Module] = {}
+    unit_tables: list[dict[str, Any]] = []
     fsdp_roots: list[tuple[str, nn.Module]] = []
     for path, module in modules:
         if _is_fsdp_module(module):
@@ -225,6 +241,7 @@ def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sha
             fsdp_owned[id(module._parameters)] = (path, root[0])
             if _has_fsdp_hooks(root[1], hooks):
                 unit_of[id(module._parameters)] = root[1]
+                unit_tables.append(module._parameters)
     if not hooks and not fsdp_owned and not any(map(is_dtensor, tensors)):
         return None
     methods = [
@@ -233,7 +250,7 @@ def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sha
         for name, value in vars(module).items()
         if _is_fsdp_forward_method(value)
     ]
-    return Sharding(hooks, fsdp_owned, unit_of, methods)
+    return Sharding(hooks, fsdp_owned, unit_of, methods, unit_tables)
 
 
 def _is_fsdp_forward_method(value: Any) -> bool:

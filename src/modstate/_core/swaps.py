@@ -106,17 +106,25 @@ class UnshardedSwap(Swap):
     __slots__ = ("_restore_hooks", "_sharding", "_units")
 
     def __init__(self, prepared: Swap, sharding: Sharding) -> None:
-        units = sharding.units(prepared.tables)
+        tables, names = list(prepared.tables), list(prepared.names)
+        values, olds = list(prepared.values), list(prepared.olds)
+        # A unit's parameters that the tree leaves out (call_partial) are gathered with the
+        # rest when the unit runs: the swap lists them, holding what they hold.
+        for table, name, parameter in sharding.untouched(tables, names):
+            tables.append(table)
+            names.append(name)
+            values.append(parameter)
+            olds.append(parameter)
+        units = sharding.units(tables)
         owned = {i for _, positions in units for i in positions}
-        values = list(prepared.values)
         others = [i for i in range(len(values)) if i not in owned]
         for i, value in zip(others, gathered([values[i] for i in others])):
             values[i] = value
         super().__init__(
-            prepared.tables,
-            prepared.names,
+            tables,
+            names,
             values,
-            prepared.olds,
+            olds,
             prepared.buffers,
             prepared.targets,
             prepared.guard,
