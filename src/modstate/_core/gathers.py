@@ -14,17 +14,19 @@ gradient reduction would be.
 
 The leaves sharded on dim 0 over one 1-D mesh (FSDP2's layout) travel together in one all-gather
 into one buffer, each rank's rows padded to ``torch.chunk``'s row count as FSDP2 pads them; any
-other layout (tensor parallel, 2-D meshes, stacked trees) is gathered by ``full_tensor()``.
+other layout (tensor parallel, 2-D meshes, stacked trees) is gathered by DTensor's own
+redistribution, one tensor at a time.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .torch_facts import functorch_active
+from .torch_facts import functorch_active, is_dtensor, unwrapped
 
 _VMAP_OF_GRAD = (
     "torch.vmap around torch.func.grad (per-sample gradients) through a call on a sharded module "
@@ -40,6 +42,14 @@ _SECOND_ORDER = (
     "leave out the other ranks' rows; differentiate twice with respect to the inputs only (that "
     "works), or gather the tree (leaf.full_tensor()) and call an unsharded copy of the module"
 )
+
+
+def holds_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor``, or a ``torch.func`` wrapper (``grad``, ``vmap``) of
+    one."""
+    if not isinstance(value, Tensor) or "torch.distributed.tensor" not in sys.modules:
+        return False
+    return is_dtensor(unwrapped(value))
 
 
 class Gathered:
@@ -296,8 +306,6 @@ def gather(gathered: Gathered, values: list[Any]) -> list[Tensor]:
 def gathered(values: list[Any]) -> list[Any]:
     """``values`` with every ``DTensor`` replaced by its full tensor (differentiably); one gather
     per distinct tensor, so tied leaves stay one tensor."""
-    from .sharded import holds_dtensor
-
     distinct: dict[int, Any] = {}
     for value in values:
         if holds_dtensor(value):

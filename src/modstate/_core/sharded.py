@@ -16,6 +16,11 @@ back as ``DTensor`` s laid out like the leaves, also under ``torch.func.grad``. 
 parameters (FSDP would put its own back), and ``load`` copies a full tensor into a sharded one by
 taking this rank's piece.
 
+While a call runs, its stand-ins sit in the module's hook dicts (and a method registered with
+``register_fsdp_forward_method`` is shadowed on the instance), so another thread that runs the
+module meanwhile runs it with the call's tree; concurrent calls on one sharded module are not
+supported. Everything is put back when the call returns or raises.
+
 Nothing here imports ``torch.distributed`` unless it was imported already: a module can only be
 sharded if it was.
 """
@@ -28,7 +33,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from .gathers import gathered, piece_of
+from .gathers import gathered, holds_dtensor, piece_of
 from .torch_facts import is_dtensor, unwrapped
 
 __all__ = [
@@ -54,14 +59,6 @@ class StandIns(Protocol):
     def hook(self, module: nn.Module, hook_dict: str) -> Any: ...
 
     def method(self, module: nn.Module, method: Callable[..., Any]) -> Any: ...
-
-
-def holds_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a ``DTensor``, or a ``torch.func`` wrapper (``grad``, ``vmap``) of
-    one."""
-    if not isinstance(value, Tensor) or "torch.distributed.tensor" not in sys.modules:
-        return False
-    return is_dtensor(unwrapped(value))
 
 
 def _is_fsdp_module(module: nn.Module) -> bool:

@@ -121,7 +121,7 @@ class _Unit:
         self.distinct = distinct
         self.dtypes = dtypes
         self.reduce_dtypes = reduce_dtypes
-        self.active: list[Gathered | None] = []
+        self.active: list[tuple[Gathered | None, list[Any]]] = []
 
     def values(self, fulls: list[Tensor]) -> list[Any]:
         out = []
@@ -185,17 +185,19 @@ class Units:
         if unit.distinct:
             gathered = Gathered(unit.dtypes, unit.reduce_dtypes)
             fulls = gather(gathered, unit.distinct)
+        values = unit.values(fulls)
         if unit.positions:
-            self._put(unit.positions, unit.values(fulls))
-        unit.active.append(gathered)
+            self._put(unit.positions, values)
+        unit.active.append((gathered, values))
         return args, kwargs
 
     def _post(self, unit: _Unit, output: Any) -> Any:
         if not unit.active:  # an always-called hook after a pre-hook that failed
             return output
-        gathered = unit.active.pop()
+        gathered, _ = unit.active.pop()
         if unit.positions:
-            self._put(unit.positions, unit.placeholders)
+            # A unit run inside itself (recursion) gets the outer run's values back.
+            self._put(unit.positions, unit.active[-1][1] if unit.active else unit.placeholders)
         if gathered is not None:
             output = _release(gathered, output)
         if unit.output_dtype is not None:
@@ -211,7 +213,7 @@ def _release(gathered: Gathered, output: Any) -> Any:
     tracked = [t for t in tensors if _tracked(t)]
     if not tracked:
         return output
-    kept = {_storage(full) for full in gathered.fulls}
+    kept = {_storage(full) for full in gathered.fulls} - {-1}
     if any(_storage(t) in kept for t in tensors):
         return output  # the output is (a view of) a parameter: it keeps its memory
 
