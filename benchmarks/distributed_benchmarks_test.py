@@ -10,8 +10,15 @@ Cases (8-member ensembles of 64→256→256→10 MLPs, batch 128; FSDP2 on the s
   member split scales correctly (each rank does half the work), it is not a speed claim.
 - ``save_distributed`` of the ensemble's state and Adam state, beside ``dcp.save`` of the same
   flat state dict, interleaved round by round inside the ranks; the seconds per MB are printed.
-- FSDP2: ``ms.call(model, tree, x)`` (the unsharded computation: gathers the tree) beside the
-  module's own forward (FSDP's all-gather), interleaved inside the ranks; target ≤ 1.2x.
+- FSDP2, a chain of 8 and of 16 units of ``Linear(256, 256)`` (each ``fully_shard``-ed, and the
+  root), batch 32: ``ms.call(model, tree, x)`` beside the module's own forward, interleaved inside
+  the ranks (time; target ≤ 1.2x), and the extra live bytes each holds at its peak (peak minus
+  before, every CPU allocation of the process as the profiler's memory events give them, gloo's
+  worker threads included), in units' worth (one unit: 256x257 float32): without grad the call
+  against the own forward (target ≤ 1.2x, flat from 8 to 16 units), with grad
+  ``torch.func.grad`` through the call and ``.backward()`` through it against the module's own
+  forward + backward. Memory is the median over rounds (gloo frees its buffers from a worker
+  thread, so one round can catch one more buffer alive); the max is printed beside it.
 
 Inside the ranks every implementation runs a fixed number of calls per round (the ranks must
 make the same collectives), each round starting at a barrier; rank 0's times are reported.
@@ -44,6 +51,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 MEMBERS, BATCH = 8, 128
+FSDP_UNITS = (8, 16)
 SIZES = (64, 256, 256, 10)
 
 
@@ -96,6 +104,87 @@ def _rounds(impls: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dic
     return samples
 
 
+UNIT_WIDTH, UNIT_BATCH = 256, 32
+UNIT_BYTES = UNIT_WIDTH * (UNIT_WIDTH + 1) * 4  # one Linear(256, 256): weight and bias
+
+
+def _peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak minus before of the bytes the process holds allocated while ``fn`` runs, from the
+    profiler's memory events (every thread's CPU allocations and frees, in time order)."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    now = peak = 0
+    for event in events:
+        now += event.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+def _fsdp_units(mesh: Any, units: int, rounds: int, calls: int) -> dict[str, Any]:
+    """Time and peak memory of a call with a tree beside the module's own forward, on a chain of
+    ``units`` FSDP units; memory in units' worth, one sample per round."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(UNIT_WIDTH, UNIT_WIDTH) for _ in range(units)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tree = ms.extract(model, detach=True)
+    leaves = ms.tree.map(lambda t: t.detach().requires_grad_(), tree)
+    x = torch.randn(UNIT_BATCH, UNIT_WIDTH, generator=torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def own_forward() -> None:
+        model(x)
+        model.reshard()  # the root keeps its parameters gathered after a forward otherwise
+
+    @torch.no_grad()
+    def stateless() -> None:
+        ms.call(model, tree, x)
+
+    def own_training() -> None:
+        model(x).pow(2).sum().backward()
+        for parameter in model.parameters():
+            parameter.grad = None
+
+    def func_grad() -> None:
+        torch.func.grad(lambda t: ms.call(model, t, x).pow(2).sum())(tree)
+
+    def backward() -> None:
+        ms.call(model, leaves, x).pow(2).sum().backward()
+        for leaf in ms.flatten(leaves).values():
+            leaf.grad = None
+
+    memory = {
+        "ms.call, no grad": stateless,
+        "own forward, no grad": own_forward,
+        "torch.func.grad through ms.call": func_grad,
+        ".backward() through ms.call": backward,
+        "own forward + backward": own_training,
+    }
+    for fn in memory.values():
+        fn()
+    peaks: dict[str, list[float]] = {name: [] for name in memory}
+    for _ in range(min(rounds, 5)):  # the profiler is slow; ms.call's figure does not vary
+        for name, fn in memory.items():
+            dist.barrier()
+            peaks[name].append(_peak_bytes(fn) / UNIT_BYTES)
+    times = _rounds(
+        {"modstate": stateless, "torch FSDP2: the module's own forward": own_forward},
+        rounds,
+        calls,
+    )
+    return {"memory": peaks, "time": times}
+
+
 def _in_ranks(rank: int, world_size: int, port: int, rounds: int, calls: int, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -104,7 +193,6 @@ def _in_ranks(rank: int, world_size: int, port: int, rounds: int, calls: int, ou
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         from modstate import checkpoint
 
@@ -146,27 +234,8 @@ def _in_ranks(rank: int, world_size: int, port: int, rounds: int, calls: int, ou
         )
         results["save_mb"] = total.item() / 2**20
 
-        torch.manual_seed(0)
-        model = mlp()
-        for index in (0, 2, 4):
-            fully_shard(model[index], mesh=mesh)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True)
-        tree = ms.extract(model, detach=True)
-        x, _ = data()
-
-        @torch.no_grad()
-        def own_forward() -> None:
-            model(x)
-
-        @torch.no_grad()
-        def stateless() -> None:
-            ms.call(model, tree, x)
-
-        results["fsdp"] = _rounds(
-            {"modstate": stateless, "torch FSDP2: the module's own forward": own_forward},
-            rounds,
-            calls,
-        )
+        for units in FSDP_UNITS:
+            results[f"fsdp{units}"] = _fsdp_units(mesh, units, rounds, calls)
         if rank == 0:
             torch.save(results, Path(out) / "results.pt")
         dist.barrier()
@@ -249,11 +318,30 @@ def test_save_distributed_per_megabyte(benchmark, two_ranks):
     )
 
 
-def test_fsdp2_call_with_a_tree(benchmark, two_ranks):
+@pytest.mark.parametrize("units", FSDP_UNITS)
+def test_fsdp2_call_with_a_tree(benchmark, two_ranks, units):
+    case = two_ranks[f"fsdp{units}"]
     stats = _record(
         benchmark,
-        "distributed: FSDP2 (per layer) 64-256-256-10, ms.call with a tree vs own forward, 2 ranks",
-        two_ranks["fsdp"],
+        f"distributed: FSDP2, {units} units of Linear(256, 256), batch 32, ms.call with a tree "
+        "vs the module's own forward, no grad, 2 ranks",
+        case["time"],
     )
     ratio = stats["modstate"]["median"] / stats["torch FSDP2: the module's own forward"]["median"]
-    _say(f"FSDP2 ms.call / own forward: {ratio:.2f}x (target <= 1.2x)")
+    memory = {name: statistics.median(values) for name, values in case["memory"].items()}
+    worst = {name: max(values) for name, values in case["memory"].items()}
+    benchmark.extra_info["peak_units"] = memory
+    no_grad = memory["ms.call, no grad"] / memory["own forward, no grad"]
+    _say(
+        f"FSDP2 {units} units: time ms.call / own forward {ratio:.2f}x (target <= 1.2x); "
+        f"extra live bytes without grad, in units' worth: ms.call {memory['ms.call, no grad']:.2f} "
+        f"(max {worst['ms.call, no grad']:.2f}), own forward "
+        f"{memory['own forward, no grad']:.2f} (max {worst['own forward, no grad']:.2f}): "
+        f"{no_grad:.2f}x (target <= 1.2x)"
+    )
+    _say(
+        f"FSDP2 {units} units, with grad, in units' worth: torch.func.grad through ms.call "
+        f"{memory['torch.func.grad through ms.call']:.2f}, .backward() through ms.call "
+        f"{memory['.backward() through ms.call']:.2f}, own forward + backward "
+        f"{memory['own forward + backward']:.2f} (max {worst['own forward + backward']:.2f})"
+    )

@@ -6,13 +6,20 @@ forward); a forward hook puts the shards back. Tensor parallel (``parallelize_mo
 ``DTensor`` parameters and converts inputs and outputs in forward hooks. Neither sees a tree put
 into the slots: FSDP overwrites it, and its lazy initialisation would adopt it.
 
-So a stateless call on such a module computes what the *unsharded* module computes: the tree's
-``DTensor`` leaves are gathered into full tensors by :func:`gathered` (differentiable, also under
-``torch.func.grad``: the gradient comes back as a ``DTensor`` laid out like the leaf), and the
-parallelism's forward hooks are bypassed for the duration (:meth:`Sharding.bypass`), so FSDP's
-state (lazy init, reshard, all-gather buffers) is never touched. ``swap`` is refused on
-FSDP-managed parameters (FSDP would put its own back), and ``load`` copies a full tensor into a
-sharded one by taking this rank's piece.
+So a stateless call on such a module computes what the *unsharded* module computes, at FSDP's
+memory: during the call, :meth:`Sharding.bypass` puts stand-ins (:mod:`~modstate._core.units`) at
+the keys of FSDP2's forward hooks, which gather the tree's leaves of one FSDP unit at a time, and
+takes the tensor-parallel hooks off; ``DTensor`` leaves outside any FSDP unit (tensor parallel)
+are gathered whole before the call (:func:`~modstate._core.gathers.gathered`). Gradients come
+back as ``DTensor`` s laid out like the leaves, also under ``torch.func.grad``. FSDP's own state
+(lazy init, reshard, all-gather buffers) is never touched. ``swap`` is refused on FSDP-managed
+parameters (FSDP would put its own back), and ``load`` copies a full tensor into a sharded one by
+taking this rank's piece.
+
+While a call runs, its stand-ins sit in the module's hook dicts (and a method registered with
+``register_fsdp_forward_method`` is shadowed on the instance), so another thread that runs the
+module meanwhile runs it with the call's tree; concurrent calls on one sharded module are not
+supported. Everything is put back when the call returns or raises.
 
 Nothing here imports ``torch.distributed`` unless it was imported already: a module can only be
 sharded if it was.
@@ -22,24 +29,36 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 from torch import Tensor, nn
 
+from .gathers import gathered, holds_dtensor, piece_of
 from .torch_facts import is_dtensor, unwrapped
+
+__all__ = [
+    "Sharding",
+    "gathered",
+    "holds_dtensor",
+    "loadable",
+    "partial_leaf",
+    "piece_of",
+    "sharding_of",
+]
 
 # Forward hooks defined in these packages are the parallelism's own: FSDP2's pre-forward
 # all-gather / post-forward reshard, and the input/output conversions of tensor-parallel styles.
-_PARALLEL_HOOK_PACKAGES = ("torch.distributed.fsdp.", "torch.distributed.tensor.")
+_FSDP_HOOK_PACKAGE = "torch.distributed.fsdp."
+_FSDP_SOURCE = "torch/distributed/fsdp/"
+_PARALLEL_HOOK_PACKAGES = (_FSDP_HOOK_PACKAGE, "torch.distributed.tensor.")
 
 
-def holds_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a ``DTensor``, or a ``torch.func`` wrapper (``grad``, ``vmap``) of
-    one."""
-    if not isinstance(value, Tensor) or "torch.distributed.tensor" not in sys.modules:
-        return False
-    return is_dtensor(unwrapped(value))
+class StandIns(Protocol):
+    """What takes the place of FSDP2's forward machinery during a call (``units.Units``)."""
+
+    def hook(self, module: nn.Module, hook_dict: str) -> Any: ...
+
+    def method(self, module: nn.Module, method: Callable[..., Any]) -> Any: ...
 
 
 def _is_fsdp_module(module: nn.Module) -> bool:
@@ -58,21 +77,59 @@ class Sharding:
     ``hooks``: ``(module, hook dict name, key)`` of every FSDP2 / tensor-parallel forward hook.
     ``fsdp_owned``: ``id(module._parameters) -> (module path, FSDP module path)`` for the
     parameters that FSDP2 manages (those of an ``fully_shard``-ed module and its submodules).
+    ``unit_of``: ``id(module._parameters) -> the fully_shard-ed module`` whose forward gathers
+    them (the innermost one above), for the units whose FSDP2 hooks a call can stand in for.
+    ``methods``: ``(module, name)`` of the methods registered with FSDP2's
+    ``register_fsdp_forward_method`` (an instance attribute wrapping the class's method).
+    ``unit_tables``: the ``_parameters`` dicts that ``unit_of`` maps.
     """
 
-    __slots__ = ("fsdp_owned", "hooks")
+    __slots__ = ("fsdp_owned", "hooks", "methods", "unit_of", "unit_tables")
 
     def __init__(
         self,
         hooks: list[tuple[nn.Module, str, Any]],
         fsdp_owned: dict[int, tuple[str, str]],
+        unit_of: dict[int, nn.Module],
+        methods: list[tuple[nn.Module, str]],
+        unit_tables: list[dict[str, Any]],
     ) -> None:
         self.hooks = hooks
         self.fsdp_owned = fsdp_owned
+        self.unit_of = unit_of
+        self.methods = methods
+        self.unit_tables = unit_tables
 
-    def bypass(self) -> Callable[[], None]:
-        """Take the parallelism's forward hooks off; return the function that puts them back
-        where they were (same order, hooks added meanwhile kept)."""
+    def units(self, tables: list[dict[str, Any]]) -> list[tuple[nn.Module, list[int]]]:
+        """Every FSDP unit, with the positions in ``tables`` of the slots it owns (a unit owning
+        none of them too: its forward still applies its mixed-precision policy)."""
+        positions: dict[int, tuple[nn.Module, list[int]]] = {
+            id(m): (m, []) for m in self.unit_of.values()
+        }
+        for i, table in enumerate(tables):
+            module = self.unit_of.get(id(table))
+            if module is not None:
+                positions[id(module)][1].append(i)
+        return list(positions.values())
+
+    def untouched(self, tables: list[dict[str, Any]], names: list[str]) -> list[tuple[Any, ...]]:
+        """``(table, name, parameter)`` of every ``DTensor`` parameter of an FSDP unit that is
+        not among ``tables`` / ``names`` (a partial tree leaves it to the module): the unit's
+        stand-in gathers it with the rest, as FSDP would."""
+        given = {(id(table), name) for table, name in zip(tables, names)}
+        return [
+            (table, name, value)
+            for table in self.unit_tables
+            for name, value in table.items()
+            if (id(table), name) not in given and is_dtensor(value)
+        ]
+
+    def bypass(self, stand_ins: StandIns | None = None) -> Callable[[], None]:
+        """Take the parallelism's forward hooks off, FSDP2's replaced by
+        ``stand_ins.hook(module, hook dict name)`` at their very keys where that gives a hook,
+        and the methods registered with ``register_fsdp_forward_method`` by
+        ``stand_ins.method(module, method)``; return the function that puts everything back
+        where it was (same order, hooks added meanwhile kept)."""
         saved: dict[int, tuple[dict[Any, Any], dict[Any, Any], set[Any]]] = {}
         for module, name, key in self.hooks:
             table = vars(module)[name]
@@ -80,8 +137,25 @@ class Sharding:
             if entry is None:
                 entry = saved[id(table)] = (table, dict(table), set())
             if key in table:
-                del table[key]
-                entry[2].add(key)
+                replacement = None
+                if stand_ins is not None and _is_fsdp_hook(table[key]):
+                    replacement = stand_ins.hook(module, name)
+                if replacement is not None:
+                    table[key] = replacement
+                else:
+                    del table[key]
+                    entry[2].add(key)
+        methods = []
+        for module, name in self.methods:
+            registered = vars(module).get(name)
+            # FSDP's wrapper calls its own pre-forward (which would gather the module's own
+            # parameters into the slots); the method it wraps runs between the stand-ins.
+            inner = getattr(getattr(registered, "__func__", None), "__wrapped__", None)
+            if inner is None:
+                continue
+            replacement = None if stand_ins is None else stand_ins.method(module, inner)
+            vars(module)[name] = replacement or inner
+            methods.append((module, name, registered))
 
         def restore() -> None:
             for table, before, removed in saved.values():
@@ -91,6 +165,8 @@ class Sharding:
                     (key, value) for key, value in before.items() if key in now or key in removed
                 )
                 table.update((key, value) for key, value in now.items() if key not in before)
+            for module, name, registered in methods:
+                vars(module)[name] = registered
 
         return restore
 
@@ -151,163 +227,65 @@ def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sha
         if _is_parallel_hook(hook)
     ]
     fsdp_owned: dict[int, tuple[str, str]] = {}
-    fsdp_roots: list[str] = []
+    unit_of: dict[int, nn.Module] = {}
+    unit_tables: list[dict[str, Any]] = []
+    fsdp_roots: list[tuple[str, nn.Module]] = []
     for path, module in modules:
         if _is_fsdp_module(module):
-            fsdp_roots.append(path)
-        root = next((r for r in reversed(fsdp_roots) if _is_under(path, r)), None)
+            fsdp_roots.append((path, module))
+        root = next((r for r in reversed(fsdp_roots) if _is_under(path, r[0])), None)
         if root is not None:
-            fsdp_owned[id(module._parameters)] = (path, root)
+            fsdp_owned[id(module._parameters)] = (path, root[0])
+            if _has_fsdp_hooks(root[1], hooks):
+                unit_of[id(module._parameters)] = root[1]
+                unit_tables.append(module._parameters)
     if not hooks and not fsdp_owned and not any(map(is_dtensor, tensors)):
         return None
-    return Sharding(hooks, fsdp_owned)
+    methods = [
+        (module, name)
+        for _, module in fsdp_roots
+        for name, value in vars(module).items()
+        if _is_fsdp_forward_method(value)
+    ]
+    return Sharding(hooks, fsdp_owned, unit_of, methods, unit_tables)
+
+
+def _is_fsdp_forward_method(value: Any) -> bool:
+    """Whether ``value`` is the wrapper ``register_fsdp_forward_method`` puts on an instance
+    (``functools.wraps`` gives it the user's names; its code is FSDP's)."""
+    code = getattr(getattr(value, "__func__", None), "__code__", None)
+    return code is not None and _FSDP_SOURCE in code.co_filename.replace("\\", "/")
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    owner = getattr(hook, "__module__", None) or ""
+    return owner.startswith(_FSDP_HOOK_PACKAGE)
+
+
+def _has_fsdp_hooks(module: nn.Module, hooks: list[tuple[nn.Module, str, Any]]) -> bool:
+    """Whether FSDP2 gathers ``module``'s parameters in its own forward pre-hook and forward hook
+    (the pair a call stands in for); a unit without them is gathered whole before the call."""
+    names = {
+        name
+        for owner, name, key in hooks
+        if owner is module and _is_fsdp_hook(vars(owner)[name].get(key))
+    }
+    return names == {"_forward_pre_hooks", "_forward_hooks"}
 
 
 def _is_under(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
-# -- gathering -------------------------------------------------------------------------------------
-
-
-class _Gather(torch.autograd.Function):
-    """``dtensor.full_tensor()`` with a backward that hands each rank its piece of the gradient
-    (no communication), in the form ``torch.func`` transforms accept (``setup_context``)."""
-
-    @staticmethod
-    def forward(tensor: Tensor) -> Tensor:  # type: ignore[override]
-        return tensor.full_tensor()  # type: ignore[attr-defined]
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        dtensor = unwrapped(inputs[0])  # torch.func hands its wrapper here
-        ctx.mesh = dtensor.device_mesh
-        ctx.placements = dtensor.placements
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return piece_of(grad, ctx.mesh, ctx.placements)
-
-
-def piece_of(full: Tensor, mesh: Any, placements: Any) -> Tensor:
-    """This rank's piece of ``full`` (the same on every rank) as a ``DTensor`` with
-    ``placements``, without communication; differentiable outside ``torch.func`` transforms."""
-    local = full
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_shard():
-            pieces = torch.chunk(local, mesh.size(mesh_dim), dim=placement.dim)
-            index = mesh.get_local_rank(mesh_dim)
-            local = pieces[index] if index < len(pieces) else local.narrow(placement.dim, 0, 0)
-        elif placement.is_partial():
-            raise ValueError("a Partial placement has no piece of a full tensor")
-    if not torch._C._functorch.is_functorch_wrapped_tensor(local):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-        )
-    # A gradient inside torch.func.grad is wrapped once per grad level; from_local (an
-    # autograd.Function without setup_context) cannot run there, so the DTensor is made around
-    # the innermost tensor and wrapped again, level by level.
-    levels = []
-    while torch._C._functorch.is_functorch_wrapped_tensor(local):
-        levels.append(torch._C._functorch.maybe_get_level(local))
-        local = torch._C._functorch.get_unwrapped(local)
-    piece = _dtensor_around(local, mesh, placements, full.shape, full.stride())
-    for level in reversed(levels):
-        piece = torch._C._functorch._wrap_for_grad(piece, level)
-    return piece
-
-
-def _dtensor_around(local: Tensor, mesh: Any, placements: Any, shape: Any, stride: Any) -> Tensor:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
 def partial_leaf(values: list[Any]) -> int | None:
     """The index of the first value that is a ``DTensor`` with a ``Partial`` placement (a pending
     sum, which has no piece of a gradient to give back), or None."""
     for index, value in enumerate(values):
-        if holds_dtensor(value) and any(p.is_partial() for p in unwrapped(value).placements):
-            return index
-    return None
-
-
-def gathered(values: list[Any]) -> list[Any]:
-    """``values`` with every ``DTensor`` replaced by its full tensor (differentiably); one gather
-    per distinct tensor, so tied leaves stay one tensor. The leaves sharded on dim 0 over one
-    1-D mesh, FSDP2's layout, are gathered together in one collective."""
-    distinct: dict[int, Any] = {}
-    for value in values:
         if holds_dtensor(value):
-            distinct.setdefault(id(value), value)
-    if not distinct:
-        return values
-    batches: dict[Any, list[Any]] = {}
-    singles = []
-    for value in distinct.values():
-        inner = unwrapped(value)
-        placements = inner.placements
-        if inner.device_mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0):
-            batches.setdefault((id(inner.device_mesh), inner.dtype, inner.device), []).append(value)
-        else:
-            singles.append(value)
-    full: dict[int, Tensor] = {}
-    for batch in batches.values():
-        if len(batch) == 1:
-            singles += batch
-            continue
-        for value, whole in zip(batch, _GatherRows.apply(*batch)):
-            full[id(value)] = whole
-    for value in singles:
-        full[id(value)] = _Gather.apply(value)
-    return [full.get(id(value), value) if isinstance(value, Tensor) else value for value in values]
-
-
-class _GatherRows(torch.autograd.Function):
-    """Full tensors of several ``DTensor`` s sharded on dim 0 over one 1-D mesh, in one
-    all-gather (each rank's rows padded to the same count, as FSDP2 does); backward hands each
-    rank its rows of every gradient, without communication."""
-
-    @staticmethod
-    def forward(*tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        import torch.distributed as dist
-
-        mesh = tensors[0].device_mesh
-        ranks = mesh.size()
-        rows = [-(-t.shape[0] // ranks) for t in tensors]  # rows per rank, as torch.chunk
-        pieces = []
-        for t, count in zip(tensors, rows):
-            local = t.to_local()
-            if local.shape[0] < count:
-                padding = local.new_zeros((count - local.shape[0], *local.shape[1:]))
-                local = torch.cat([local, padding])
-            pieces.append(local.reshape(-1))
-        send = torch.cat(pieces)
-        receive = send.new_empty(ranks * send.numel())
-        dist.all_gather_into_tensor(receive, send, group=mesh.get_group())
-        receive = receive.view(ranks, send.numel())
-        out, offset = [], 0
-        for t, piece, count in zip(tensors, pieces, rows):
-            block = receive[:, offset : offset + piece.numel()]
-            out.append(block.reshape(ranks * count, *t.shape[1:])[: t.shape[0]].clone())
-            offset += piece.numel()
-        return tuple(out)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        inner = [unwrapped(t) for t in inputs]
-        ctx.specs = [(t.device_mesh, t.placements) for t in inner]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        return tuple(
-            None if grad is None else piece_of(grad, mesh, placements)
-            for grad, (mesh, placements) in zip(grads, ctx.specs)
-        )
+            inner: Any = unwrapped(value)
+            if any(p.is_partial() for p in inner.placements):
+                return index
+    return None
 
 
 def loadable(currents: list[Any], values: list[Any]) -> list[Any]:

@@ -18,10 +18,12 @@ from torch import nn
 
 from .anatomy import ModuleGuard
 from .flat import unflatten
+from .gathers import gathered
 from .hooks import LoadPlan
 from .leaves import leaves_of
-from .sharded import Sharding, gathered
+from .sharded import Sharding
 from .types import Tree, TreeArg
+from .units import Units
 
 _setitem = operator.setitem
 
@@ -93,27 +95,57 @@ class Swap:
 
 
 class UnshardedSwap(Swap):
-    """A swap on a sharded module that computes unsharded: the tree's ``DTensor`` leaves go in
-    gathered (differentiably) and the parallelism's forward hooks are off while it is applied."""
+    """A swap on a sharded module that computes unsharded, one FSDP unit at a time.
 
-    __slots__ = ("_restore_hooks", "_sharding")
+    The tree's ``DTensor`` leaves that an FSDP unit owns stay in their slots as they are; while
+    the swap is applied, stand-ins for FSDP2's forward hooks (:class:`~.units.Units`) gather
+    them just before their unit runs and put them back just after. Other ``DTensor`` leaves
+    (tensor parallel) go in gathered whole, and the tensor-parallel hooks are off.
+    """
+
+    __slots__ = ("_restore_hooks", "_sharding", "_units")
 
     def __init__(self, prepared: Swap, sharding: Sharding) -> None:
+        tables, names = list(prepared.tables), list(prepared.names)
+        values, olds = list(prepared.values), list(prepared.olds)
+        # A unit's parameters that the tree leaves out (call_partial) are gathered with the
+        # rest when the unit runs: the swap lists them, holding what they hold.
+        for table, name, parameter in sharding.untouched(tables, names):
+            tables.append(table)
+            names.append(name)
+            values.append(parameter)
+            olds.append(parameter)
+        units = sharding.units(tables)
+        owned = {i for _, positions in units for i in positions}
+        others = [i for i in range(len(values)) if i not in owned]
+        for i, value in zip(others, gathered([values[i] for i in others])):
+            values[i] = value
         super().__init__(
-            prepared.tables,
-            prepared.names,
-            gathered(prepared.values),
-            prepared.olds,
+            tables,
+            names,
+            values,
+            olds,
             prepared.buffers,
             prepared.targets,
             prepared.guard,
             prepared.rebuild,
         )
         self._sharding = sharding
+        self._units = units
         self._restore_hooks: Callable[[], None] | None = None
 
+    def _put(self, positions: list[int], values: list[Any]) -> None:
+        """Put ``values`` into the slots at ``positions`` (a unit's gathered parameters before
+        its forward, the tree's ``DTensor`` s after it)."""
+        tables, names = self.tables, self.names
+        for i, value in zip(positions, values):
+            tables[i][names[i]] = value
+
     def apply(self) -> None:
-        self._restore_hooks = self._sharding.bypass()
+        # The stand-ins hold the swap (to put values into its slots), not the other way round:
+        # no reference cycle keeps a call's gathered tensors alive after it.
+        units = Units(self._put, self._units, self.values)
+        self._restore_hooks = self._sharding.bypass(units)
         super().apply()
 
     def undo(self) -> None:

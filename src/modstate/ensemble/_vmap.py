@@ -13,7 +13,6 @@ from torch.nn.parameter import is_lazy
 from modstate._core.anatomy import anatomy_of, buffer_paths
 from modstate._core.call import call
 from modstate._core.flat import Layout, flatten, unflatten
-from modstate._core.sharded import gathered
 from modstate._core.torch_facts import write_back
 from modstate._core.types import Tree
 
@@ -79,8 +78,9 @@ def batched_call(
     structure = Structure(list(flat), list(flat.values()), buffer_paths(module))
     out, reassigned = structure.run(
         module,
-        # A stacked tree of DTensors (a sharded module's trees, stacked) runs gathered.
-        gathered(structure.distinct(list(flat.values()))),
+        # A stacked tree of DTensors (a sharded module's trees, stacked) goes in as it is: the
+        # call gathers each FSDP unit's members when the unit runs.
+        structure.distinct(list(flat.values())),
         args,
         kwargs,
         in_dims,
