@@ -34,7 +34,24 @@ NOT_TOUR = {
 }
 
 
-def reference_page(package: Package) -> str:
+def primary_entries(packages: list[Package]) -> dict[str, str]:
+    """Where each object is documented in full: its definition path -> the first public name
+    listing it, parents first (``modstate.typing.Optimizer`` is ``modstate.optim.Optimizer``)."""
+    primary: dict[str, str] = {}
+    for package in packages:
+        for name in package.members:
+            primary.setdefault(definition_path(package.name, name), f"{package.name}.{name}")
+    return primary
+
+
+def _page_of(public: str, packages: list[Package]) -> str:
+    package = max(
+        (p for p in packages if public.startswith(p.name + ".")), key=lambda p: len(p.name)
+    )
+    return f"{package.name}.md"
+
+
+def reference_page(package: Package, packages: list[Package] | None = None) -> str:
     lines = [
         f"# `{package.name}`",
         "",
@@ -54,8 +71,18 @@ def reference_page(package: Package) -> str:
             summary = summary_line(package.name, name).replace("|", "\\|")
             lines.append(f"| [`{name}`](#{package.name}.{name}) | {summary} |")
         lines.append("")
+        primary = primary_entries(packages or [package])
         for name in package.members:
             public, defined = f"{package.name}.{name}", definition_path(package.name, name)
+            if primary.get(defined, public) != public:  # documented in full on another page
+                other = primary[defined]
+                lines += [
+                    f"## `{public}` {{#{public}}}",
+                    "",
+                    f"The same object as [`{other}`]({_page_of(other, packages or [])}#{other}).",
+                    "",
+                ]
+                continue
             if defined != public:  # the rendered heading's anchor is the definition's
                 lines += [f'<a id="{public}"></a>', ""]
             lines += [
@@ -132,7 +159,9 @@ def on_config(config):
 def on_files(files: Files, config) -> Files:
     packages = public_packages()
     for package in packages:
-        files.append(File.generated(config, package.page, content=reference_page(package)))
+        files.append(
+            File.generated(config, package.page, content=reference_page(package, packages))
+        )
     files.append(File.generated(config, "reference/index.md", content=reference_index(packages)))
     files.append(
         File.generated(config, "tour.md", content=tour_page((ROOT / "README.md").read_text()))
