@@ -6,6 +6,10 @@
 - ``tour.md``: the tour sections of ``README.md``.
 - ``notebooks/``: the executed notebooks of ``notebooks/``, rendered as saved (not run).
 - ``changelog.md``: ``CHANGELOG.md``.
+
+Where ``docs/`` holds a file of the same name (``tour.md``, ``reference/index.md``, ...), it is a
+stand-in for readers of the repository (on GitHub its links lead to the sources); the generated
+page replaces it in the site.
 """
 
 from __future__ import annotations
@@ -155,22 +159,26 @@ def on_config(config):
     return config
 
 
+def _put(files: Files, file: File) -> None:
+    """Add ``file``, in place of the stand-in of the same name in ``docs/`` if there is one."""
+    stand_in = files.get_file_from_path(file.src_uri)
+    if stand_in is not None:
+        files.remove(stand_in)
+    files.append(file)
+
+
 @event_priority(100)  # before mkdocs-jupyter, which must see the notebooks added here
 def on_files(files: Files, config) -> Files:
     packages = public_packages()
     for package in packages:
-        files.append(
-            File.generated(config, package.page, content=reference_page(package, packages))
-        )
-    files.append(File.generated(config, "reference/index.md", content=reference_index(packages)))
-    files.append(
-        File.generated(config, "tour.md", content=tour_page((ROOT / "README.md").read_text()))
-    )
-    files.append(
-        File.generated(config, "changelog.md", content=(ROOT / "CHANGELOG.md").read_text())
-    )
+        _put(files, File.generated(config, package.page, content=reference_page(package, packages)))
+    _put(files, File.generated(config, "reference/index.md", content=reference_index(packages)))
+    readme = (ROOT / "README.md").read_text()
+    _put(files, File.generated(config, "tour.md", content=tour_page(readme)))
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    _put(files, File.generated(config, "changelog.md", content=changelog))
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    files.append(File.generated(config, "notebooks/index.md", content=notebooks_index(notebooks)))
+    _put(files, File.generated(config, "notebooks/index.md", content=notebooks_index(notebooks)))
     for notebook in notebooks:
         # A plain File whose source folder is the repository root: notebooks/<name>.ipynb.
         files.append(
