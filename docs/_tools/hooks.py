@@ -87,8 +87,10 @@ def reference_page(package: Package, packages: list[Package] | None = None) -> s
                     "",
                 ]
                 continue
-            if defined != public:  # the rendered heading's anchor is the definition's
-                lines += [f'<a id="{public}"></a>', ""]
+            if defined != public:
+                # the rendered heading's anchor is the definition's: an autorefs anchor with the
+                # public name too, so that docstrings can link [`call`][modstate.call]
+                lines += [f"[](){{#{public}}}", ""]
             lines += [
                 f"::: {defined}",
                 "    options:",
