@@ -137,3 +137,26 @@ def test_the_docs_install_line_is_the_readmes():
     first_command = re.search(r"```bash\n(.*?)\n", readme).group(1)
     assert "torch==" in first_command
     assert f"\n{first_command}\n" in (ROOT / "docs" / "index.md").read_text()
+
+
+def test_sphinx_roles_become_links_or_code():
+    import sphinx_roles
+
+    names = {"call": "modstate.call", "modstate.Ensemble": "modstate.Ensemble"}
+    text = "Like :func:`call`; see :class:`~modstate.Ensemble` and :class:`Anatomy`."
+    assert sphinx_roles.rewrite(text, names) == (
+        "Like [`call`][modstate.call]; see [`Ensemble`][modstate.Ensemble] and `Anatomy`."
+    )
+
+
+def test_no_docstring_uses_a_sphinx_role():
+    """The site shows roles raw (":func:`call`"): ``python docs/_tools/sphinx_roles.py`` rewrites
+    them as Markdown links."""
+    import sphinx_roles
+
+    found = [
+        f"{path.relative_to(ROOT)}: {match[0]}"
+        for path in sorted((ROOT / "src" / "modstate").rglob("*.py"))
+        for match in sphinx_roles.ROLE.finditer(path.read_text())
+    ]
+    assert not found, "Sphinx roles left (run docs/_tools/sphinx_roles.py):\n" + "\n".join(found)
