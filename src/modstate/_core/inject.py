@@ -25,7 +25,7 @@ class inject:
     (BatchNorm statistics) land in the tree's tensors. Tensors the module keeps as plain attributes
     and lazy modules' class and hooks are restored too; other plain attributes that ``forward``
     assigns (counters, a Llama dynamic RoPE's ``max_seq_len_cached``) are not, as with
-    ``torch.func.functional_call`` (see :func:`modstate.call`).
+    ``torch.func.functional_call`` (see [`modstate.call`][modstate.call]).
 
     ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
     shapes and dtypes; non-persistent buffers may be left out (``state_dict`` leaves them out; the
@@ -93,7 +93,7 @@ def swap(
 ) -> Tree:
     """Put the tree's tensors into ``module`` for good; return a tree of what they replaced.
 
-    The permanent form of :func:`inject`, with the same checks, so ``swap(module, old)`` undoes it.
+    The permanent form of [`inject`][modstate.inject], with the same checks, so ``swap(module, old)`` undoes it.
     The tree's objects go in as they are (a plain tensor stays a plain tensor in ``_parameters``;
     pass ``nn.Parameter`` leaves to keep parameters parameters).
 

@@ -7,9 +7,9 @@ forward); a forward hook puts the shards back. Tensor parallel (``parallelize_mo
 into the slots: FSDP overwrites it, and its lazy initialisation would adopt it.
 
 So a stateless call on such a module computes what the *unsharded* module computes: the tree's
-``DTensor`` leaves are gathered into full tensors by :func:`gathered` (differentiable, also under
+``DTensor`` leaves are gathered into full tensors by `gathered` (differentiable, also under
 ``torch.func.grad``: the gradient comes back as a ``DTensor`` laid out like the leaf), and the
-parallelism's forward hooks are bypassed for the duration (:meth:`Sharding.bypass`), so FSDP's
+parallelism's forward hooks are bypassed for the duration (`Sharding.bypass`), so FSDP's
 state (lazy init, reshard, all-gather buffers) is never touched. ``swap`` is refused on
 FSDP-managed parameters (FSDP would put its own back), and ``load`` copies a full tensor into a
 sharded one by taking this rank's piece.
@@ -135,7 +135,7 @@ class Sharding:
 
 
 def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sharding | None:
-    """The :class:`Sharding` of a module tree (``(path, module)`` pairs as ``named_modules``
+    """The `Sharding` of a module tree (``(path, module)`` pairs as ``named_modules``
     gives them, and every tensor its slots hold), or None if nothing in it is sharded."""
     if "torch.distributed.tensor" not in sys.modules:
         return None
