@@ -21,9 +21,10 @@ docs:
 docs-check:
 	NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict && python docs/_tools/check_site.py site
 
-# mypy and pyright on the public API and on README's examples (needs the typecheck extra).
+# mypy over the package (0 errors), then mypy and pyright on the public API and on README's
+# examples (needs the typecheck extra).
 typecheck:
-	python .ci/typecheck.py
+	python -m mypy && python .ci/typecheck.py
 
 # sdist and wheel into dist/, checked by twine (needs the release extra).
 build:

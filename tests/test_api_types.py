@@ -8,12 +8,14 @@ Every call here is an ordinary use with ordinary Python values (float learning r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 import modstate as ms
 from modstate import checkpoint, optim
+from modstate.typing import Optimizer, Tree, TreeArg
 
 
 def make_model() -> nn.Sequential:
@@ -86,3 +88,20 @@ def test_functional_state_and_optimizer_helpers_type_check_and_run() -> None:
     opt = optim.masked(optim.sgd(lr=0.1), "0.*")
     params, _ = opt.step(params, clipped, opt.init(params))
     assert float(norm) > 1.0
+
+
+def train_step(params: Tree, grads: Tree, opt: Optimizer, state: dict[str, Any]) -> Tree:
+    """A user's helper typed with modstate.typing: any optimizer, masked ones included."""
+    new_params, _ = opt.step(params, grads, state)
+    return new_params
+
+
+def test_the_typing_module_annotates_a_users_code() -> None:
+    model = make_model()
+    params: Tree = ms.extract(model, detach=True)
+    grads = ms.tree.map(torch.ones_like, params)
+    optimizers: list[Optimizer] = [optim.adam(lr=1e-3), optim.masked(optim.sgd(lr=0.1), "0.*")]
+    for opt in optimizers:
+        params = train_step(params, grads, opt, opt.init(params))
+    halves: TreeArg = ms.tree.partition(params, ms.tree.is_float)
+    assert ms.call(model, halves, torch.randn(2, 3)).shape == (2, 1)

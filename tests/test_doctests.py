@@ -15,7 +15,7 @@ def _with_examples() -> list[str]:
     names = [
         info.name
         for info in pkgutil.walk_packages(modstate.__path__, prefix="modstate.")
-        if info.name not in {"modstate.__main__", "modstate.tree"}  # run in tests/tree/test_tree.py
+        if info.name != "modstate.__main__"
     ]
     return [
         name for name in ["modstate", *sorted(names)] if ">>>" in inspect.getsource(_module(name))

@@ -1,6 +1,8 @@
-"""README.md runs as pasted: every ```python block, in order, in one namespace."""
+"""README.md runs as pasted: every ```python block, in order, in one namespace, and leaves nothing
+behind in the directory it runs in."""
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,11 +24,19 @@ def test_the_readme_has_python_blocks():
 
 
 @pytest.mark.distributed  # one block starts two gloo ranks
-def test_every_python_block_runs_in_order(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the checkpoint block writes files
+def test_every_python_block_runs_in_order_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    workdir, scratch = tmp_path / "workdir", tmp_path / "scratch"
+    workdir.mkdir()
+    scratch.mkdir()
+    monkeypatch.chdir(workdir)
+    # where the blocks' tempfile.mkdtemp() directories go (and pytest removes them)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     namespace: dict = {"__name__": "__readme__"}
     for line, code in python_blocks():
         try:
             exec(compile(code, f"README.md:{line}", "exec"), namespace)
         except Exception as error:
             raise AssertionError(f"the README block at line {line} fails: {error!r}") from error
+    left = sorted(path.name for path in workdir.iterdir())
+    assert left == [], f"the README's blocks left files in the working directory: {left}"
+    assert any(scratch.iterdir())  # the checkpoints went to temporary directories

@@ -6,6 +6,10 @@
 - ``tour.md``: the tour sections of ``README.md``.
 - ``notebooks/``: the executed notebooks of ``notebooks/``, rendered as saved (not run).
 - ``changelog.md``: ``CHANGELOG.md``.
+
+Where ``docs/`` holds a file of the same name (``tour.md``, ``reference/index.md``, ...), it is a
+stand-in for readers of the repository (on GitHub its links lead to the sources); the generated
+page replaces it in the site.
 """
 
 from __future__ import annotations
@@ -34,7 +38,24 @@ NOT_TOUR = {
 }
 
 
-def reference_page(package: Package) -> str:
+def primary_entries(packages: list[Package]) -> dict[str, str]:
+    """Where each object is documented in full: its definition path -> the first public name
+    listing it, parents first (``modstate.typing.Optimizer`` is ``modstate.optim.Optimizer``)."""
+    primary: dict[str, str] = {}
+    for package in packages:
+        for name in package.members:
+            primary.setdefault(definition_path(package.name, name), f"{package.name}.{name}")
+    return primary
+
+
+def _page_of(public: str, packages: list[Package]) -> str:
+    package = max(
+        (p for p in packages if public.startswith(p.name + ".")), key=lambda p: len(p.name)
+    )
+    return f"{package.name}.md"
+
+
+def reference_page(package: Package, packages: list[Package] | None = None) -> str:
     lines = [
         f"# `{package.name}`",
         "",
@@ -54,10 +75,22 @@ def reference_page(package: Package) -> str:
             summary = summary_line(package.name, name).replace("|", "\\|")
             lines.append(f"| [`{name}`](#{package.name}.{name}) | {summary} |")
         lines.append("")
+        primary = primary_entries(packages or [package])
         for name in package.members:
             public, defined = f"{package.name}.{name}", definition_path(package.name, name)
-            if defined != public:  # the rendered heading's anchor is the definition's
-                lines += [f'<a id="{public}"></a>', ""]
+            if primary.get(defined, public) != public:  # documented in full on another page
+                other = primary[defined]
+                lines += [
+                    f"## `{public}` {{#{public}}}",
+                    "",
+                    f"The same object as [`{other}`]({_page_of(other, packages or [])}#{other}).",
+                    "",
+                ]
+                continue
+            if defined != public:
+                # the rendered heading's anchor is the definition's: an autorefs anchor with the
+                # public name too, so that docstrings can link [`call`][modstate.call]
+                lines += [f"[](){{#{public}}}", ""]
             lines += [
                 f"::: {defined}",
                 "    options:",
@@ -128,20 +161,26 @@ def on_config(config):
     return config
 
 
+def _put(files: Files, file: File) -> None:
+    """Add ``file``, in place of the stand-in of the same name in ``docs/`` if there is one."""
+    stand_in = files.get_file_from_path(file.src_uri)
+    if stand_in is not None:
+        files.remove(stand_in)
+    files.append(file)
+
+
 @event_priority(100)  # before mkdocs-jupyter, which must see the notebooks added here
 def on_files(files: Files, config) -> Files:
     packages = public_packages()
     for package in packages:
-        files.append(File.generated(config, package.page, content=reference_page(package)))
-    files.append(File.generated(config, "reference/index.md", content=reference_index(packages)))
-    files.append(
-        File.generated(config, "tour.md", content=tour_page((ROOT / "README.md").read_text()))
-    )
-    files.append(
-        File.generated(config, "changelog.md", content=(ROOT / "CHANGELOG.md").read_text())
-    )
+        _put(files, File.generated(config, package.page, content=reference_page(package, packages)))
+    _put(files, File.generated(config, "reference/index.md", content=reference_index(packages)))
+    readme = (ROOT / "README.md").read_text()
+    _put(files, File.generated(config, "tour.md", content=tour_page(readme)))
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    _put(files, File.generated(config, "changelog.md", content=changelog))
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    files.append(File.generated(config, "notebooks/index.md", content=notebooks_index(notebooks)))
+    _put(files, File.generated(config, "notebooks/index.md", content=notebooks_index(notebooks)))
     for notebook in notebooks:
         # A plain File whose source folder is the repository root: notebooks/<name>.ipynb.
         files.append(

@@ -3,18 +3,26 @@ public module without one, the public functions and classes it defines).
 
 The public packages are ``modstate`` and, recursively, every sub-module that a public package
 lists in ``__all__``, or that a public package other than ``modstate`` holds as a public
-attribute (``modstate.optim.schedules``). ``modstate``'s own sub-packages that it does not list
-(``ensemble``, ``cli``) are parts of the architecture whose public names ``modstate`` re-exports.
+attribute (``modstate.optim.schedules``), and the modules of `PUBLIC_BY_PATH`. ``modstate``'s own
+sub-packages that it does not list (``ensemble``, ``cli``) are parts of the architecture whose
+public names ``modstate`` re-exports.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 ROOT = "modstate"
+SOURCE = Path(__file__).resolve().parents[2] / "src"
+
+# Public modules that ``modstate.__all__`` leaves out on purpose: ``from modstate import *`` must
+# not bind ``typing`` over the standard library's.
+PUBLIC_BY_PATH = ("modstate.typing",)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ def public_packages() -> list[Package]:
             and value.__name__ == f"{module.__name__}.{key}"
             and (key in names or module.__name__ != ROOT)
         ]
+        if module.__name__ == ROOT:
+            subs += [importlib.import_module(name) for name in PUBLIC_BY_PATH]
         found.append(Package(module.__name__, members, tuple(s.__name__ for s in subs)))
         queue.extend(subs)
     return found
@@ -71,12 +81,31 @@ def _defined_in(module: ModuleType) -> list[str]:
 
 
 def summary_line(package: str, name: str) -> str:
-    """The first line of a member's docstring, for the reference's tables."""
+    """The first sentence of a member's docstring, for the reference's tables (a type alias's is the
+    string under its assignment, read by griffe; an RST role such as ``:func:`x``` reads as
+    ```x```)."""
     value = getattr(importlib.import_module(package), name)
     if isinstance(value, (str, int, float)):
         return f"`{value!r}`"
-    doc = inspect.getdoc(value) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    if inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value):
+        doc = inspect.getdoc(value) or ""
+    else:
+        doc = _attribute_docstring(package, name)
+    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    first = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", paragraph, maxsplit=1)[0]
+    return _ROLE.sub("`", first)
+
+
+_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|obj|exc):`")
+
+
+def _attribute_docstring(package: str, name: str) -> str:
+    """The docstring of a module attribute (the string under ``Tree: TypeAlias = ...``)."""
+    import griffe
+
+    found = griffe.load(package, search_paths=[str(SOURCE)], resolve_aliases=True)[name]
+    docstring = found.docstring
+    return docstring.value if docstring is not None else ""
 
 
 def module_of(name: str) -> ModuleType:

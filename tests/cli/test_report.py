@@ -1,14 +1,23 @@
-"""The benchmark report (``python -m modstate bench``): pairing, table, JSON, chart, and a real run."""
+"""The benchmark report (``python -m modstate bench``, harness in ``benchmarks/report``): pairing,
+table, JSON, chart, the docs page's tables, and a real run."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from modstate.cli import _report as report
+import modstate.cli
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import chart, cli, page, results, suites  # noqa: E402
+from report import text as table  # noqa: E402
 
 
 def bench(name, group, impl, median, **extra):
@@ -45,7 +54,7 @@ SYNTHETIC = {
 
 
 def test_build_report_pairs_modstate_with_each_peer_by_median():
-    built = report.build_report(SYNTHETIC)
+    built = results.build_report(SYNTHETIC)
     cases = {case.case: case for case in built.cases}
     add = cases["add (small)"]
     assert add.modstate_s == 8e-6 and add.modstate_test == "test_add_modstate[small]"
@@ -55,7 +64,7 @@ def test_build_report_pairs_modstate_with_each_peer_by_median():
 
 
 def test_build_report_subtracts_a_baseline_for_overhead_ratios():
-    call = {case.case: case for case in report.build_report(SYNTHETIC).cases}["call"]
+    call = {case.case: case for case in results.build_report(SYNTHETIC).cases}["call"]
     assert call.baseline == "baseline: plain forward" and call.baseline_s == 10e-6
     (peer,) = call.peers  # the baseline is not a peer
     assert peer.impl == "torch.func.functional_call"
@@ -64,19 +73,19 @@ def test_build_report_subtracts_a_baseline_for_overhead_ratios():
 
 
 def test_build_report_notes_what_it_cannot_pair():
-    built = report.build_report(SYNTHETIC)
+    built = results.build_report(SYNTHETIC)
     assert any("orphan: no modstate entry" in note for note in built.notes)
     orphan = {case.case: case for case in built.cases}["orphan"]
     assert orphan.modstate_s is None and orphan.peers[0].ratio is None  # shown, not compared
-    assert "orphan" in report.format_table(built)
+    assert "orphan" in table.format_table(built)
     assert any("test_untagged: no extra_info['impl']" in note for note in built.notes)
     duplicate = {"benchmarks": [bench("a", "g", "modstate", 1.0), bench("b", "g", "modstate", 2.0)]}
-    assert "two entries for 'modstate'" in report.build_report(duplicate).notes[0]
+    assert "two entries for 'modstate'" in results.build_report(duplicate).notes[0]
 
 
 def test_format_table_puts_each_case_over_its_implementations_in_100_columns():
     skips = [
-        report.Skip("pytree_benchmarks_test::test_add_td[small]", "could not import 'tensordict'")
+        results.Skip("pytree_benchmarks_test::test_add_td[small]", "could not import 'tensordict'")
     ]
     long_case = {
         "benchmarks": [
@@ -85,9 +94,9 @@ def test_format_table_puts_each_case_over_its_implementations_in_100_columns():
         ]
     }
     for data in (SYNTHETIC, long_case):
-        text = report.format_table(report.build_report(data, skips))
+        text = table.format_table(results.build_report(data, skips))
         assert max(map(len, text.splitlines())) <= 100, text
-    text = report.format_table(report.build_report(SYNTHETIC, skips))
+    text = table.format_table(results.build_report(SYNTHETIC, skips))
     lines = text.splitlines()
     assert "Median" in lines[0] and "modstate / peer" in lines[1]
     assert "overhead = (modstate - baseline)" in lines[2]
@@ -102,7 +111,7 @@ def test_format_table_puts_each_case_over_its_implementations_in_100_columns():
 
 
 def test_wide_table_keeps_one_line_per_case_and_peer():
-    text = report.format_table(report.build_report(SYNTHETIC), wide=True)
+    text = table.format_table(results.build_report(SYNTHETIC), wide=True)
     add_line = next(line for line in text.splitlines() if line.startswith("add (small)"))
     assert "8 us" in add_line and "torch.utils._pytree" in add_line and "0.50" in add_line
 
@@ -124,29 +133,31 @@ def test_spread_is_half_the_interquartile_range():
             }
         ]
     }
-    (case,) = report.build_report(data).cases
+    (case,) = results.build_report(data).cases
     (peer,) = case.peers
     assert case.modstate_spread == pytest.approx(0.1) and peer.spread == pytest.approx(0.15)
     assert (peer.ratio_low, peer.ratio_high) == pytest.approx((0.9 / 2.4, 1.1 / 1.8))
-    assert report.format_spread(0.1) == "±10%" and report.format_spread(None) == "-"
+    assert table.format_spread(0.1) == "±10%" and table.format_spread(None) == "-"
 
 
 def test_peers_the_suites_could_not_import_are_noted():
     data = {"benchmarks": [bench("t", "add (small)", "modstate", 1e-6, missing=["tensordict"])]}
-    assert report.build_report(data).notes == ["add (small): tensordict is not installed, left out"]
+    assert results.build_report(data).notes == [
+        "add (small): tensordict is not installed, left out"
+    ]
 
 
 def test_format_seconds_picks_a_unit():
-    assert report.format_seconds(1.5e-6) == "1.5 us"
-    assert report.format_seconds(0.0123) == "12.3 ms"
-    assert report.format_seconds(999.96e-6) == "1000 us"
-    assert report.format_seconds(2.0) == "2 s"
-    assert report.format_seconds(5e-10) == "0.5 ns"
+    assert table.format_seconds(1.5e-6) == "1.5 us"
+    assert table.format_seconds(0.0123) == "12.3 ms"
+    assert table.format_seconds(999.96e-6) == "1000 us"
+    assert table.format_seconds(2.0) == "2 s"
+    assert table.format_seconds(5e-10) == "0.5 ns"
 
 
 def test_report_json_holds_figures_ratios_and_raw_stats():
-    built = report.build_report(SYNTHETIC)
-    data = json.loads(json.dumps(report.report_json(built, SYNTHETIC, quick=True)))
+    built = results.build_report(SYNTHETIC)
+    data = json.loads(json.dumps(results.report_json(built, SYNTHETIC, quick=True)))
     assert data["quick"] is True and data["ratio"] == "modstate / peer"
     assert data["versions"]["torch"] and data["machine"]["node"] == "box"
     add = next(case for case in data["cases"] if case["case"] == "add (small)")
@@ -167,12 +178,12 @@ def test_read_skips_from_junit(tmp_path):
         '<testcase classname="benchmarks.pytree_benchmarks_test" name="test_add_modstate[small]"/>'
         "</testsuite></testsuites>"
     )
-    (skip,) = report.read_skips(junit)
+    (skip,) = results.read_skips(junit)
     assert skip.test == "pytree_benchmarks_test::test_add_td[small]"
     assert skip.note.startswith(
         "pytree_benchmarks_test::test_add_td[small]: skipped (not installed"
     )
-    assert report.read_skips(tmp_path / "missing.xml") == []
+    assert results.read_skips(tmp_path / "missing.xml") == []
 
 
 def test_footer_says_what_the_figures_come_from():
@@ -182,46 +193,71 @@ def test_footer_says_what_the_figures_come_from():
 
     when = datetime.datetime(2026, 12, 2, tzinfo=datetime.timezone.utc)
     data = {"machine_info": {"cpu": {"brand_raw": "Some CPU", "count": 2}}}
-    assert report.footer_line(data, quick=True, when=when) == (
+    assert table.footer_line(data, quick=True, when=when) == (
         f"quick run · torch {torch.__version__} · Some CPU, 2 CPUs · 2026-12-02"
     )
-    assert report.footer_line(data, quick=False, when=when).startswith("full run")
+    assert table.footer_line(data, quick=False, when=when).startswith("full run")
 
 
 def test_plot_ratios_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
-    assert report.plot_ratios(report.build_report(SYNTHETIC), path, footer="full run") is None
+    assert chart.plot_ratios(results.build_report(SYNTHETIC), path, footer="full run") is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    empty = report.Report([], [], [])
-    assert "no case" in report.plot_ratios(empty, tmp_path / "none.png")
+    empty = results.Report([], [], [])
+    assert "no case" in chart.plot_ratios(empty, tmp_path / "none.png")
 
 
-def test_main_without_benchmarks_dir_says_it_needs_a_source_checkout(tmp_path, capsys):
-    code = report.main(["--benchmarks-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+def test_main_without_suites_says_where_it_looked_in_one_line(tmp_path, capsys):
+    code = cli.main(["--benchmarks-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
     assert code == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1
-    assert "needs a source checkout" in captured.err
+    assert captured.out == "" and captured.err == (
+        f"modstate bench: no benchmark suites in {tmp_path / 'nowhere'}\n"
+    )
 
 
 def test_help_says_it_needs_a_source_checkout(capsys):
     with pytest.raises(SystemExit):
-        report.main(["--help"])
+        cli.main(["--help"])
     assert "needs a source checkout" in " ".join(capsys.readouterr().out.split())
+
+
+def test_modstate_bench_forwards_to_the_checkout_harness(tmp_path):
+    assert modstate.cli.find_harness() == ROOT / "benchmarks" / "report"
+    target = tmp_path / "page.md"
+    target.write_text(f"# B\n\n{page.BEGIN}\nold\n{page.END}\n\nafter\n")
+    source = ROOT / "docs" / "bench" / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "modstate", "bench", "--from", str(source), "--page", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    written = target.read_text()
+    assert written.startswith(f"# B\n\n{page.BEGIN}\n\n## Headline")
+    assert written.endswith(f"{page.END}\n\nafter\n") and "old" not in written
+
+
+def test_modstate_bench_without_a_checkout_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(modstate.cli, "find_harness", lambda cwd=None: None)
+    assert modstate.cli.main(["bench", "--quick"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == modstate.cli.NEEDS_CHECKOUT + "\n"
 
 
 def test_an_unwritable_out_is_one_line_and_exit_2(tmp_path, pytree_suite, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    code = report.main(["--out", str(blocker / "out"), "--benchmarks-dir", str(pytree_suite)])
+    code = cli.main(["--out", str(blocker / "out"), "--benchmarks-dir", str(pytree_suite)])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert captured.err.count("\n") == 1 and "cannot write to --out" in captured.err
 
 
 def test_a_keyword_that_matches_nothing_is_one_line_and_exit_2(tmp_path, pytree_suite, capsys):
-    code = report.main(
+    code = cli.main(
         ["-k", "nomatch", "--out", str(tmp_path), "--benchmarks-dir", str(pytree_suite)]
     )
     captured = capsys.readouterr()
@@ -230,12 +266,12 @@ def test_a_keyword_that_matches_nothing_is_one_line_and_exit_2(tmp_path, pytree_
 
 
 def test_the_benchmarks_dir_of_this_checkout_is_found():
-    found = report.find_benchmarks_dir()
+    found = suites.find_benchmarks_dir()
     assert found is not None and (found / "pytree_benchmarks_test.py").exists()
 
 
 def test_quick_command_uses_few_rounds_and_json(tmp_path):
-    command = report.pytest_command(
+    command = suites.pytest_command(
         Path("benchmarks"), tmp_path / "b.json", tmp_path / "j.xml", quick=True, keyword="add"
     )
     assert "--benchmark-min-rounds=3" in command and "--benchmark-only" in command
@@ -247,7 +283,7 @@ def test_quick_command_uses_few_rounds_and_json(tmp_path):
 def pytree_suite(tmp_path):
     """A benchmarks/ directory holding the real pytree suite alone (other suites may be slow)."""
     pytest.importorskip("pytest_benchmark")
-    source = report.find_benchmarks_dir()
+    source = suites.find_benchmarks_dir()
     target = tmp_path / "suite" / "benchmarks"
     target.mkdir(parents=True)
     for name in ("conftest.py", "_timing.py", "pytree_benchmarks_test.py"):
@@ -256,7 +292,7 @@ def pytree_suite(tmp_path):
 
 
 def test_main_end_to_end_on_the_pytree_suite(tmp_path, pytree_suite, capsys):
-    code = report.main(
+    code = cli.main(
         ["--quick", "-k", "add", "--out", str(tmp_path), "--benchmarks-dir", str(pytree_suite)]
     )
     out = capsys.readouterr().out
@@ -283,7 +319,7 @@ def test_main_notes_a_peer_that_is_not_installed(tmp_path, pytree_suite, monkeyp
     )
     monkeypatch.setenv("PYTHONPATH", str(hidden))
     out_dir = tmp_path / "out"
-    code = report.main(
+    code = cli.main(
         [
             "--quick",
             "-k",
@@ -299,3 +335,69 @@ def test_main_notes_a_peer_that_is_not_installed(tmp_path, pytree_suite, monkeyp
     assert "add (small): tensordict is not installed, left out" in out
     (case,) = json.loads((out_dir / "bench.json").read_text())["cases"]
     assert [peer["impl"] for peer in case["peers"]] == ["torch.utils._pytree"]
+
+
+# ---------------------------------------------------------------------------------------------
+# families and the docs page
+
+
+def test_each_case_belongs_to_the_family_of_its_suite():
+    assert results.family_of("benchmarks/pytree_benchmarks_test.py::test_add[small]") == (
+        "Tree operations"
+    )
+    # a new suite is a new family, with no edit of the harness
+    assert results.family_of("benchmarks/checkpoint_memory_benchmarks_test.py::t") == (
+        "Checkpoint memory"
+    )
+    assert results.family_of("benchmarks/x_test.py::t", {"family": "Threads"}) == "Threads"
+    cases = {case.case: case for case in results.build_report(SYNTHETIC).cases}
+    assert cases["add (small)"].family == "X"  # SYNTHETIC's benchmarks come from x_test.py
+
+
+def test_speed_words_read_a_range_of_ratios():
+    assert page.speed_words([0.5, 0.25]) == "2–4x faster"
+    assert page.speed_words([0.08]) == "12x faster"
+    assert page.speed_words([0.13, 1.0]) == "1–7.7x faster"  # within 5% of 1: on par
+    assert page.speed_words([1.3, 1.6]) == "1.3–1.6x slower"
+    assert page.speed_words([0.98, 1.02]) == "on par"
+    assert page.speed_words([0.5, 1.5]) == "2x faster to 1.5x slower"
+
+
+def test_the_page_puts_the_headline_first_then_a_table_per_family_with_the_ratio():
+    data = results.report_json(results.build_report(SYNTHETIC), SYNTHETIC, quick=False)
+    data["cases"][0]["family"] = "Tree operations"
+    data["cases"][1]["family"] = "Calls"
+    markdown = page.render(data)
+    lines = markdown.splitlines()
+    assert lines[0] == "## Headline"
+    assert lines.index("## Calls") < lines.index("## Tree operations")  # the families' order
+    assert (
+        "- Tree operations (1 case): **2x faster** than torch.utils._pytree; "
+        "**2.5x faster** than tensordict.\n" in markdown
+    )
+    tree_table = lines[lines.index("## Tree operations") + 2 :]
+    assert tree_table[0] == "| case | peer | modstate / peer | modstate | peer |"
+    assert tree_table[2] == (
+        "| add (small) | torch.utils._pytree | **0.50** (2x faster) | 8 us | 16 us |"
+    )
+    calls = lines[lines.index("## Calls") + 2 :]
+    assert calls[0].endswith("| overhead ratio |")  # only where a case has a baseline
+    assert calls[3].startswith("|  | baseline: plain forward | – |  | 10 us |")
+
+
+def test_the_docs_page_shows_the_figures_of_docs_bench_json():
+    """docs/benchmarks.md's tables are what the generator makes of docs/bench/bench.json: refresh
+    them with ``python benchmarks/report --from docs/bench/bench.json --page docs/benchmarks.md``."""
+    data = json.loads((ROOT / "docs" / "bench" / "bench.json").read_text())
+    shown = page.generated_region((ROOT / "docs" / "benchmarks.md").read_text())
+    assert shown == page.render(data)
+    # the families the issue asks for, each with its table
+    for family in ("Ensembles", "Calls", "Tree operations", "Optimizers", "Training steps"):
+        assert f"\n## {family}\n" in shown
+
+
+def test_update_page_refuses_a_page_without_the_markers(tmp_path):
+    target = tmp_path / "page.md"
+    target.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no generated region"):
+        page.update_page(target, {"cases": []})

@@ -45,9 +45,9 @@ def test_combine_merges_select_and_exclude():
 
 
 def test_combine_refuses_a_leaf_against_a_subtree_naming_the_path():
-    with pytest.raises(ValueError, match=r"combine: at 'enc\.w'.*structure mismatch"):
+    with pytest.raises(ValueError, match=r"tree\.combine: 'enc\.w':.*structure mismatch"):
         ms.tree.combine({"enc": {"w": torch.ones(1)}}, {"enc": {"w": {"x": torch.ones(1)}}})
-    with pytest.raises(ValueError, match=r"at 'a'.*different lengths"):
+    with pytest.raises(ValueError, match=r"'a':.*different lengths"):
         ms.tree.combine({"a": [torch.ones(1)]}, {"a": [None, None]})
 
 
@@ -72,7 +72,7 @@ def test_a_failing_predicate_names_the_path():
 
 def test_lerp_on_an_integer_leaf_names_the_path_and_the_fix_works():
     tree = ms.tree.detach(bn_tree())
-    with pytest.raises(TypeError, match=r"lerp: at '1\.num_batches_tracked'.*partition"):
+    with pytest.raises(TypeError, match=r"tree\.lerp: '1\.num_batches_tracked':.*partition"):
         ms.tree.lerp(tree, tree, 0.1)
     # The fix the message names: average the floating-point half only.
     floats, _ = ms.tree.partition(tree, ms.tree.is_float)
@@ -83,9 +83,9 @@ def test_lerp_on_an_integer_leaf_names_the_path_and_the_fix_works():
 
 def test_add_with_a_fractional_alpha_on_an_integer_leaf_names_the_path_and_the_fix_works():
     tree = ms.tree.detach(bn_tree())
-    with pytest.raises(RuntimeError, match=r"add: at '1\.num_batches_tracked'.*partition"):
+    with pytest.raises(RuntimeError, match=r"tree\.add: '1\.num_batches_tracked':.*partition"):
         ms.tree.add(tree, tree, alpha=-0.1)
-    with pytest.raises(RuntimeError, match=r"sub: at '1\.num_batches_tracked'"):
+    with pytest.raises(RuntimeError, match=r"tree\.sub: '1\.num_batches_tracked':"):
         ms.tree.sub(tree, tree, alpha=0.5)
     floats, _ = ms.tree.partition(tree, ms.tree.is_float)
     stepped = ms.tree.add(floats, floats, alpha=-0.1)

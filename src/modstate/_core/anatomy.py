@@ -5,11 +5,11 @@ A tensor of a module lives in a *slot*: an entry ``name`` of the owning module's
 slots too, under ``parametrizations.<name>.original``. Tied weights are one tensor held by several
 slots. Some modules also keep tensors computed from their slots in ``__dict__`` (legacy
 ``weight_norm`` / ``spectral_norm`` recompute ``module.weight`` in a forward pre-hook) or change
-their own class and hooks on the first forward (lazy modules); :class:`ModuleGuard` snapshots and
+their own class and hooks on the first forward (lazy modules); `ModuleGuard` snapshots and
 restores those, so a temporary swap leaves nothing behind.
 
-An :class:`Anatomy` is built once per module and reused while the module's structure and tensors
-stay the same; :func:`anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
+An `Anatomy` is built once per module and reused while the module's structure and tensors
+stay the same; `anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class Anatomy:
 
     @property
     def guarded(self) -> list[nn.Module]:
-        """Modules whose non-slot state a swap must snapshot (see :class:`ModuleGuard`)."""
+        """Modules whose non-slot state a swap must snapshot (see `ModuleGuard`)."""
         return [m for m in (ref() for ref in self._guarded) if m is not None]
 
     def _walk(
@@ -268,7 +268,7 @@ class ModuleGuard:
     do that: tensors kept in ``__dict__`` (legacy ``weight_norm`` / ``spectral_norm`` recompute
     ``module.weight``), and everything a lazy module changes on its first call or load (its class,
     its hooks, the attributes holding their handles, its uninitialized parameters).
-    :meth:`restore` puts all of it back; other attributes (counters and the like) are left alone."""
+    `restore` puts all of it back; other attributes (counters and the like) are left alone."""
 
     __slots__ = ("_lazy_tensors", "_saved")
 

@@ -22,7 +22,7 @@ def apply(
 ) -> tuple[Any, Tree]:
     """``(module(*args, **kwargs), new_state)`` computed with ``params`` and ``state``, purely.
 
-    ``params`` and ``state`` together give every path of the module, as :func:`modstate.split`
+    ``params`` and ``state`` together give every path of the module, as [`modstate.split`][modstate.split]
     returns them (a None leaf is a hole, so the halves of ``modstate.tree.partition`` work too);
     buffers belong in ``state`` (one in ``params`` is refused).
     Nothing passed in is mutated: the buffers in ``state`` are copied before ``forward`` runs, so

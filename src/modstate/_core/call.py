@@ -41,11 +41,11 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     """``module(*args, **kwargs)`` computed with the tree's tensors: a stateless call.
 
     ``tree`` gives every path of the module (strict). It may be a tuple of trees that together
-    give every path, such as ``(params, state)`` from :func:`modstate.split` when only the
+    give every path, such as ``(params, state)`` from [`modstate.split`][modstate.split] when only the
     parameters go through ``torch.func.grad``; a None leaf in one of them is a hole (the halves of
     ``modstate.tree.partition`` go in as they are). For a partial tree (the
     ``torch.func.functional_call(model, dict(model.named_parameters()), x)`` habit), use
-    :func:`call_partial`; every other argument goes to ``forward``.
+    [`call_partial`][modstate.call_partial]; every other argument goes to ``forward``.
 
     The same as ``with ms.inject(module, tree): return module(*args, **kwargs)`` (strict), made
     fast for repeated calls, and safe under ``torch.func.vmap``, ``grad``, ``jacrev`` and
@@ -54,7 +54,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     unless ``forward`` writes to the tree's tensors in place), and so do tensors it keeps as plain
     attributes and lazy modules' class and hooks; a buffer that ``forward`` reassigns is written
     back into ``tree``. In-place buffer updates (BatchNorm in train mode) land in the tree's
-    tensors: :func:`modstate.apply` is the pure form. Not restored, as with
+    tensors: [`modstate.apply`][modstate.apply] is the pure form. Not restored, as with
     ``torch.func.functional_call``: other plain attributes that ``forward`` assigns (counters,
     ints, lists, such as the ``max_seq_len_cached`` of a Llama with dynamic RoPE); snapshotting
     every module's ``__dict__`` on every call would cost more than the call itself on small
@@ -86,7 +86,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
 
 
 def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
-    """Like :func:`call`, but paths the tree leaves out keep the module's own tensors.
+    """Like [`call`][modstate.call], but paths the tree leaves out keep the module's own tensors.
 
     The lenient form, as ``torch.func.functional_call`` behaves: ``tree`` may be partial (say
     ``dict(model.named_parameters())`` flattened, or only the parameters of one layer), and its

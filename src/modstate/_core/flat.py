@@ -139,7 +139,7 @@ def _make_node(nodes: dict[str, Tree], prefix: str, key: str) -> Tree:
 
 
 class Layout:
-    """The nesting of one sequence of dotted keys, compiled: :meth:`nest` builds the same tree as
+    """The nesting of one sequence of dotted keys, compiled: `nest` builds the same tree as
     ``unflatten`` for values listed in that key order, with one C-level pass (optree)."""
 
     __slots__ = ("keys", "order", "treespec")

@@ -6,7 +6,7 @@ Extraction is ``module.state_dict(keep_vars=True)`` itself, nested: every pre/po
 Reinjection replays ``load_state_dict``'s walk (``torch/nn/modules/module.py``): for each module, at
 its real dotted prefix, its load pre-hooks edit the flat dict, its own keys are matched to its slots
 and its extra state, its children get the keys under their prefix, and its post-hooks see (and may
-edit) the missing and unexpected key lists. Instead of copying, the walk returns a :class:`LoadPlan`
+edit) the missing and unexpected key lists. Instead of copying, the walk returns a `LoadPlan`
 that says which tensor goes into which slot, so the swap engine can put the tree's own tensors in
 (``inject`` / ``swap``) or copy them (``load``), after every check has passed.
 

@@ -124,7 +124,7 @@ def swap(
 ) -> Tree:
     """Put the tree's tensors into ``module`` for good; return a tree of what they replaced.
 
-    The permanent form of :func:`inject`, with the same checks, so ``swap(module, old)`` undoes it.
+    The permanent form of [`inject`][modstate.inject], with the same checks, so ``swap(module, old)`` undoes it.
     The tree's objects go in as they are (a plain tensor stays a plain tensor in ``_parameters``;
     pass ``nn.Parameter`` leaves to keep parameters parameters). It changes the module for every
     thread that uses it.

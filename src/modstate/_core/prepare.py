@@ -1,9 +1,9 @@
 """Preparing a swap: check a tree against a module and say which slot gets which tensor.
 
-Nothing here changes the module. A prepared :class:`~modstate._core.swaps.Swap` comes from one of
+Nothing here changes the module. A prepared `Swap` comes from one of
 three routes:
 
-- the compiled plan of the module's :class:`~modstate._core.anatomy.Anatomy`, when the tree has
+- the compiled plan of the module's `Anatomy`, when the tree has
   exactly the shape ``extract`` gives (a few C-level passes over flat lists);
 - the general route, path by path, for partial trees, ties given at one path, and for precise
   errors whenever the compiled plan declines;

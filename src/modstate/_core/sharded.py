@@ -211,7 +211,7 @@ class Sharding:
 
 
 def sharding_of(modules: list[tuple[str, nn.Module]], tensors: list[Any]) -> Sharding | None:
-    """The :class:`Sharding` of a module tree (``(path, module)`` pairs as ``named_modules``
+    """The `Sharding` of a module tree (``(path, module)`` pairs as ``named_modules``
     gives them, and every tensor its slots hold), or None if nothing in it is sharded."""
     if "torch.distributed.tensor" not in sys.modules:
         return None

@@ -1,10 +1,10 @@
 """The swap objects: slots and the tensors that go into them, applied and undone.
 
-A :class:`Swap` is what :mod:`~modstate._core.prepare` produces after every check passed: which
+A `Swap` is what `prepare` produces after every check passed: which
 slot (``table[name]``) gets which tensor, what it held before, and where in the caller's tree each
 value sits (so that a buffer that ``forward`` reassigns is written back there). Applying and
-undoing it are C-level passes over flat lists. :class:`UnshardedSwap` is the form for modules
-sharded with FSDP2 / tensor parallel, :class:`HookedSwap` the one that replays ``load_state_dict``.
+undoing it are C-level passes over flat lists. `UnshardedSwap` is the form for modules
+sharded with FSDP2 / tensor parallel, `HookedSwap` the one that replays ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Swap:
 
     ``targets(i)`` is ``(node, key)``, where the tree holds ``values[i]``: a buffer that the body
     reassigns is written back there, as ``torch.func.functional_call`` does. ``rebuild(olds)``
-    nests values listed like ``values`` at the tree's paths (what :func:`swap` returns).
+    nests values listed like ``values`` at the tree's paths (what [`swap`][modstate.swap] returns).
     """
 
     __slots__ = (

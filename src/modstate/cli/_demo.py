@@ -15,13 +15,8 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-from modstate import optim
+from modstate import call, extract, inject, optim, stack, unstack, vmap_call
 from modstate import tree as trees
-from modstate._core.call import call
-from modstate._core.extract import extract
-from modstate._core.inject import inject
-from modstate.ensemble._stack import stack, unstack
-from modstate.ensemble._vmap import vmap_call
 
 WIDTH = 32
 TRAIN_POINTS = 256

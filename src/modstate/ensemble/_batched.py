@@ -2,11 +2,11 @@
 
 An ensemble of N copies of one ``nn.Linear`` is one ``torch.baddbmm`` over the stacked weights; N
 copies of ``nn.Conv2d`` are one grouped convolution; an elementwise activation does not care how
-many members there are. :func:`compile_plan` turns a module into a list of *steps*, closures built
+many members there are. `compile_plan` turns a module into a list of *steps*, closures built
 once that map ``(activation, shared)`` to the next pair: ``shared`` says the activation is still
 the same for every member (the shared input), otherwise its dim 0 is the member dim. A submodule
 without a known batched form becomes a step that runs it under ``torch.vmap`` over
-:func:`modstate.call`, so any model works and the known layers are fast. An activation right
+[`modstate.call`][modstate.call], so any model works and the known layers are fast. An activation right
 after a batched Linear or convolution (ReLU, Tanh, Sigmoid) runs in place on that layer's new
 output, which saves allocating one large tensor per layer; the gradients are the same.
 
@@ -393,7 +393,7 @@ def _flatten_step(module: nn.Flatten, context: PlanContext) -> Step:
 
 
 def _vmap_step(module: nn.Module, context: PlanContext) -> Step:
-    """``module`` under vmap over :func:`modstate.call`, with its own slice of the stacked state."""
+    """``module`` under vmap over [`modstate.call`][modstate.call], with its own slice of the stacked state."""
     count = context.count
     randomness = context.randomness
     run = vmap_runner(module, context, randomness)

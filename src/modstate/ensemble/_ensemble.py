@@ -25,7 +25,7 @@ class Ensemble(nn.Module):
     """N models of one architecture as one module: the stacked state is its parameters and buffers.
 
     ``Ensemble(models)`` stacks the models' parameters and buffers (they must agree in structure,
-    shapes, dtypes and training mode; see :func:`stack_modules`) and registers the stacked tensors
+    shapes, dtypes and training mode; see [`stack_modules`][modstate.stack_modules]) and registers the stacked tensors
     on ``self.stacked``, a mirror of the model's module tree: the stacked tensor of the members'
     ``"0.weight"`` is ``ensemble.stacked.get_submodule("0").weight`` (leading dim N), and ``state_dict`` keys are
     ``"stacked.0.weight"`` and so on. ``ms.extract(ensemble.stacked)`` is the stacked tree. Hence
@@ -43,12 +43,12 @@ class Ensemble(nn.Module):
     activations such as ``ReLU``, ``GELU``, ``Tanh``, ``Sigmoid``, ``SiLU``) runs them as one
     batched kernel each on the stacked tensors (``torch.baddbmm``, grouped convolution), with the
     same results and gradients as the per-model loop; any other submodule runs under
-    ``torch.vmap`` over :func:`modstate.call` with its slice of the stacked state (BatchNorm
+    ``torch.vmap`` over [`modstate.call`][modstate.call] with its slice of the stacked state (BatchNorm
     statistics update per member). ``fast=False`` runs the whole model under vmap (the reference
     path). ``compile=True`` wraps the forward in ``torch.compile(dynamic=False)`` (a new input
     shape compiles again); eager is faster for small models, where guards cost more than they
     save. ``randomness`` is vmap's, with
-    the default of :func:`vmap_call` and ``torch.vmap``, ``"error"``: a random op in a member
+    the default of [`vmap_call`][modstate.vmap_call] and ``torch.vmap``, ``"error"``: a random op in a member
     (dropout in training mode) is refused until you choose ``"different"`` (an independent mask
     per member, like a loop over the models) or ``"same"`` (one mask shared by all). A layer with
     hooks of its own runs under vmap, so that its hooks run; the plan is made once, when the
@@ -57,7 +57,7 @@ class Ensemble(nn.Module):
     ``mesh=`` (a 1-D ``DeviceMesh``) spreads the members over its ranks: the stacked tensors are
     ``DTensor`` s sharded on the member dim, each rank builds and runs only its members, and
     ``from_factory`` builds member ``i`` under ``torch.manual_seed(i)`` (see
-    :class:`~modstate.ensemble._sharded.MemberParallelEnsemble`).
+    `MemberParallelEnsemble`).
 
     >>> import torch, modstate as ms
     >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Sequential(
@@ -215,7 +215,7 @@ class Ensemble(nn.Module):
         return module
 
     def members(self) -> list[nn.Module]:
-        """Every member as an ordinary module (see :meth:`member`)."""
+        """Every member as an ordinary module (see `member`)."""
         return [self.member(i) for i in range(self.count)]
 
     # -- keeping the template in step --------------------------------------------------------------

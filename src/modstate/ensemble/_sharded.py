@@ -1,14 +1,14 @@
 """Member-parallel ensembles: the member dim sharded over the ranks of a 1-D ``DeviceMesh``.
 
 ``Ensemble(models, mesh=mesh)`` and ``Ensemble.from_factory(factory, n, mesh=mesh)`` build a
-:class:`MemberParallelEnsemble`. Its registered parameters and buffers are ``DTensor`` s with
+`MemberParallelEnsemble`. Its registered parameters and buffers are ``DTensor`` s with
 ``Shard(0)`` over the mesh, of global shape ``(n, ...)``: an optimizer, ``state_dict`` and
 ``save_distributed`` see the whole ensemble, each rank storing and computing only its members.
 Members are split as ``torch.chunk`` splits the member dim (as ``Shard(0)`` does): rank ``r`` of
 ``w`` holds members ``r * ceil(n / w)`` onwards; an uneven split is fine, a rank left without
 members is refused.
 
-Forward runs this rank's members with an ordinary :class:`~modstate.Ensemble` (the batched
+Forward runs this rank's members with an ordinary [`Ensemble`][modstate.Ensemble] (the batched
 kernels) on the local pieces of the sharded tensors, through ``DTensor.to_local`` (so gradients
 come back sharded like the parameters, without communication), and returns outputs as
 ``DTensor`` s sharded on the member dim; ``full_tensor()`` gathers them.
@@ -57,7 +57,7 @@ def member_range(count: int, mesh: Any) -> range:
 
 
 class MemberParallelEnsemble(Ensemble):
-    """An :class:`~modstate.Ensemble` whose members are spread over the ranks of a 1-D mesh.
+    """An [`Ensemble`][modstate.Ensemble] whose members are spread over the ranks of a 1-D mesh.
 
     Built by ``Ensemble(models, mesh=mesh)`` (every rank passes all ``n`` models and keeps its
     own) or ``Ensemble.from_factory(factory, n, mesh=mesh)`` (every rank builds only its members,

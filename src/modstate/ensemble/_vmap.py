@@ -68,7 +68,7 @@ def batched_call(
     randomness: str,
     chunk_size: int | None,
 ) -> Any:
-    """:func:`vmap_call` with its arguments gathered."""
+    """[`vmap_call`][modstate.vmap_call] with its arguments gathered."""
     if not isinstance(stacked, dict):
         raise TypeError(
             f"expected a stacked tree (a dict of tensors), got {type(stacked).__name__}"

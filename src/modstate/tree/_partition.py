@@ -1,62 +1,55 @@
 """`partition` / `combine`: split a tree by a predicate on its leaves into two halves with None
-holes, and merge such halves back; `is_float` / `is_trainable`, the predicates a training loop
-needs."""
+holes, and merge such halves back."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-
-from modstate.tree._walk import APPLY, AtPath, children, is_leaf, map_leaves, raise_at
-
-
-def is_float(leaf: Any) -> bool:
-    """Whether ``leaf`` is a floating-point tensor (what ``torch.func.grad`` can differentiate
-    and ``lerp`` can average; BatchNorm's integer ``num_batches_tracked`` is not).
-
-    >>> ms.tree.is_float(torch.zeros(2)), ms.tree.is_float(torch.tensor(3))
-    (True, False)
-    """
-    return isinstance(leaf, Tensor) and leaf.is_floating_point()
-
-
-def is_trainable(leaf: Any) -> bool:
-    """Whether ``leaf`` is a floating-point tensor that requires grad (a trainable parameter).
-
-    >>> ms.tree.is_trainable(torch.nn.Parameter(torch.zeros(2))), ms.tree.is_trainable(torch.zeros(2))
-    (True, False)
-    """
-    return isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad
+from modstate.tree._errors import StructureMismatch, at_key, message, naming_paths
+from modstate.tree._walk import APPLY, children, describe, dict_like, is_leaf, map_leaves, same_kind
 
 
 def partition(tree: Any, predicate: Callable[[Any], bool]) -> tuple[Any, Any]:
-    """``(kept, rest)``: two trees shaped like ``tree``; ``kept`` holds the leaves for which
-    ``predicate(leaf)`` is true and None elsewhere, ``rest`` the others and None elsewhere.
+    """Split ``tree`` in two by a predicate on its leaves, keeping the structure in both halves.
 
-    As equinox's ``partition``: both halves keep the full structure, so they zip back together with
-    `combine`, and ``modstate.call`` / ``inject`` / ``apply`` take the pair ``(kept, rest)`` as a
-    tuple of trees (a None leaf is a hole). Leaves are the input's own objects.
+    As equinox's ``partition``: both halves keep the full structure, with None where the other
+    half has the leaf, so they zip back together with [`combine`][modstate.tree.combine], and
+    ``modstate.call`` / ``inject`` / ``apply`` take the pair ``(kept, rest)`` as a tuple of trees
+    (a None leaf is a hole).
 
-    >>> tree = {"0": {"weight": torch.ones(2), "num_batches_tracked": torch.tensor(0)}}
-    >>> floats, ints = ms.tree.partition(tree, ms.tree.is_float)
-    >>> floats
-    {'0': {'weight': tensor([1., 1.]), 'num_batches_tracked': None}}
-    >>> ints
-    {'0': {'weight': None, 'num_batches_tracked': tensor(0)}}
+    Args:
+        tree: Any pytree.
+        predicate: Called on every leaf (tensor or not); a true result puts the leaf in ``kept``.
+
+    Returns:
+        The pair ``(kept, rest)`` of trees shaped like ``tree``. ``kept`` holds the leaves for
+        which ``predicate(leaf)`` is true and None elsewhere, ``rest`` the others and None
+        elsewhere. Leaves are the input's own objects.
+
+    Raises:
+        TypeError: ``predicate`` is not callable.
+        Exception: Whatever ``predicate`` raises, as the same object, with the leaf's path as a
+            note.
+
+    Example:
+        >>> tree = {"0": {"weight": torch.ones(2), "num_batches_tracked": torch.tensor(0)}}
+        >>> floats, ints = ms.tree.partition(tree, ms.tree.is_float)
+        >>> floats
+        {'0': {'weight': tensor([1., 1.]), 'num_batches_tracked': None}}
+        >>> ints
+        {'0': {'weight': None, 'num_batches_tracked': tensor(0)}}
     """
     if not callable(predicate):
         raise TypeError(
-            f"modstate.tree.partition: predicate must be callable, got {type(predicate).__name__}"
+            message("partition", f"predicate must be callable, got {type(predicate).__name__}")
         )
-    try:
-        mask = map_leaves(lambda leaf: bool(predicate(leaf)), tree, APPLY)
-        kept = _select_by(tree, mask, True)
-        rest = _select_by(tree, mask, False)
-    except AtPath as error:
-        raise_at("partition", error, user_fn=True)
-    return kept, rest
+    mask = naming_paths(
+        "partition",
+        lambda: map_leaves(lambda leaf: bool(predicate(leaf)), tree, APPLY),
+        user_fn=True,
+    )
+    return _select_by(tree, mask, True), _select_by(tree, mask, False)
 
 
 def _select_by(node: Any, mask: Any, side: bool) -> Any:
@@ -72,24 +65,35 @@ def _select_by(node: Any, mask: Any, side: bool) -> Any:
 
 
 def combine(*trees: Any) -> Any:
-    """One tree from several with None holes: at each position, the first leaf that is not None.
+    """One tree from several with None holes: at each place, the first leaf that is not None.
 
-    The inverse of `partition` (``combine(*partition(tree, p))`` rebuilds ``tree``, the very same
-    leaves). Dicts merge by key (keys that only some trees have are kept, in first-seen order), so
-    halves made by `select` and `exclude` combine too; lists and tuples must have the same length.
-    Two trees giving different leaves at one position is not an error: the first one wins.
+    The inverse of [`partition`][modstate.tree.partition]: ``combine(*partition(tree, p))``
+    rebuilds ``tree``, with the very same leaves. Dicts merge by key (keys that only some trees
+    have are kept, in first-seen order; a ``dict`` merges with an ``OrderedDict``), so halves made
+    by [`select`][modstate.tree.select] and [`exclude`][modstate.tree.exclude] combine too; lists
+    and tuples must have the same length. Two trees giving different leaves at one place is not
+    an error: the first one wins.
 
-    >>> a = {"w": torch.ones(1), "b": None}
-    >>> b = {"w": None, "b": torch.zeros(1)}
-    >>> ms.tree.combine(a, b)
-    {'w': tensor([1.]), 'b': tensor([0.])}
+    Args:
+        *trees: Trees of one structure, up to None holes and missing dict keys.
+
+    Returns:
+        The merged tree, with the node types of the first tree that has a node at each place.
+
+    Raises:
+        TypeError: No tree is given.
+        ValueError: Two trees have a leaf and a subtree, or nodes of different kinds or lengths,
+            at one place (naming its path).
+
+    Example:
+        >>> a = {"w": torch.ones(1), "b": None}
+        >>> b = {"w": None, "b": torch.zeros(1)}
+        >>> ms.tree.combine(a, b)
+        {'w': tensor([1.]), 'b': tensor([0.])}
     """
     if not trees:
-        raise TypeError("modstate.tree.combine: give at least one tree")
-    try:
-        return _combine(list(trees))
-    except AtPath as error:
-        raise_at("combine", error)
+        raise TypeError(message("combine", "give at least one tree"))
+    return naming_paths("combine", lambda: _combine(list(trees)))
 
 
 def _combine(nodes: list[Any]) -> Any:
@@ -100,14 +104,14 @@ def _combine(nodes: list[Any]) -> Any:
     if is_leaf(first):
         for other in present[1:]:
             if not is_leaf(other):
-                raise ValueError(
-                    f"structure mismatch: one tree has {_what(first)} here, another {_what(other)}"
+                raise StructureMismatch(
+                    f"one tree has {describe(first)} here, another {describe(other)}"
                 )
         return first
     for other in present[1:]:
-        if is_leaf(other) or type(other) is not type(first):
-            raise ValueError(
-                f"structure mismatch: one tree has {_what(first)} here, another {_what(other)}"
+        if is_leaf(other) or not same_kind(first, other):
+            raise StructureMismatch(
+                f"one tree has {describe(first)} here, another {describe(other)}"
             )
     if isinstance(first, dict):
         keys: dict[Any, None] = {}
@@ -117,32 +121,20 @@ def _combine(nodes: list[Any]) -> Any:
         for key in keys:
             try:
                 out[key] = _combine([node.get(key) for node in present])
-            except AtPath as error:
-                error.keys.append(key)
-                raise
-            except ValueError as error:
-                raise AtPath(error, key) from None
-        return out if type(first) is dict else type(first)(out)
+            except Exception as error:
+                raise at_key(error, key) from None
+        return out if type(first) is dict else dict_like(first, out.items())
     keys_of_first, kids_of_first, rebuild = children(first)
     columns = [children(node)[1] for node in present]
     if any(len(column) != len(kids_of_first) for column in columns):
-        raise ValueError(
-            f"structure mismatch: {type(first).__name__} nodes of different lengths "
+        raise StructureMismatch(
+            f"{type(first).__name__} nodes of different lengths "
             f"({sorted({len(column) for column in columns})})"
         )
     new = []
     for index, key in enumerate(keys_of_first):
         try:
             new.append(_combine([column[index] for column in columns]))
-        except AtPath as error:
-            error.keys.append(key)
-            raise
-        except ValueError as error:
-            raise AtPath(error, key) from None
+        except Exception as error:
+            raise at_key(error, key) from None
     return rebuild(new)
-
-
-def _what(node: Any) -> str:
-    if isinstance(node, Tensor):
-        return f"a tensor of shape {tuple(node.shape)}"
-    return f"a {type(node).__name__} node" if not is_leaf(node) else f"a {type(node).__name__}"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import collections
 import fnmatch
 import re
 from typing import Any
 
-from modstate.tree._walk import children, is_leaf, map_leaves
+from modstate.tree._errors import message
+from modstate.tree._walk import children, dict_like, is_leaf, map_leaves
 
 
 def select(tree: Any, *patterns: str) -> Any:
@@ -16,17 +16,28 @@ def select(tree: Any, *patterns: str) -> Any:
     Patterns are ``fnmatch`` globs (case-sensitive) on dotted paths, and ``*`` crosses dots:
     ``"encoder.*"`` keeps every leaf under ``encoder``, ``"*.bias"`` every bias. A pattern that
     matches a subtree's own path keeps the whole subtree (``"encoder"`` works like
-    ``"encoder.*"``). Selected leaves are the input's own objects; containers are new.
+    ``"encoder.*"``).
 
     What is left out: a dict drops the key; a list or tuple keeps its length and holds ``None``
     there (``None`` is an empty subtree, and indices keep their meaning). Subtrees that held no
     leaf to begin with are kept as they are.
 
-    >>> tree = {"encoder": {"w": torch.ones(1), "b": torch.ones(1)}, "head": {"w": torch.ones(1)}}
-    >>> ms.tree.select(tree, "encoder.*")
-    {'encoder': {'w': tensor([1.]), 'b': tensor([1.])}}
-    >>> ms.tree.select(tree, "*.w")
-    {'encoder': {'w': tensor([1.])}, 'head': {'w': tensor([1.])}}
+    Args:
+        tree: Any pytree.
+        *patterns: Glob patterns on dotted leaf paths; no pattern selects nothing.
+
+    Returns:
+        A new tree holding the selected leaves (the input's own objects) in new containers.
+
+    Raises:
+        TypeError: A pattern is not a string.
+
+    Example:
+        >>> tree = {"encoder": {"w": torch.ones(1), "b": torch.ones(1)}, "head": {"w": torch.ones(1)}}
+        >>> ms.tree.select(tree, "encoder.*")
+        {'encoder': {'w': tensor([1.]), 'b': tensor([1.])}}
+        >>> ms.tree.select(tree, "*.w")
+        {'encoder': {'w': tensor([1.])}, 'head': {'w': tensor([1.])}}
     """
     return _filter(tree, "", _compile(patterns, "select"), keep_matches=True)[0]
 
@@ -34,11 +45,23 @@ def select(tree: Any, *patterns: str) -> Any:
 def exclude(tree: Any, *patterns: str) -> Any:
     """``tree`` without the leaves whose dotted paths match any of the glob ``patterns``.
 
-    The complement of `select`, with the same pattern and pruning rules.
+    The complement of [`select`][modstate.tree.select], with the same pattern and pruning rules.
 
-    >>> tree = {"encoder": {"w": torch.ones(1), "b": torch.ones(1)}, "head": {"w": torch.ones(1)}}
-    >>> ms.tree.exclude(tree, "*.b", "head")
-    {'encoder': {'w': tensor([1.])}}
+    Args:
+        tree: Any pytree.
+        *patterns: Glob patterns on dotted leaf paths (``*`` crosses dots); no pattern drops
+            nothing.
+
+    Returns:
+        A new tree holding the other leaves (the input's own objects) in new containers.
+
+    Raises:
+        TypeError: A pattern is not a string.
+
+    Example:
+        >>> tree = {"encoder": {"w": torch.ones(1), "b": torch.ones(1)}, "head": {"w": torch.ones(1)}}
+        >>> ms.tree.exclude(tree, "*.b", "head")
+        {'encoder': {'w': tensor([1.])}}
     """
     return _filter(tree, "", _compile(patterns, "exclude"), keep_matches=False)[0]
 
@@ -46,7 +69,7 @@ def exclude(tree: Any, *patterns: str) -> Any:
 def _compile(patterns: tuple[Any, ...], op: str) -> re.Pattern[str]:
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise TypeError(f"modstate.tree.{op}: patterns must be strings, got {pattern!r}")
+            raise TypeError(message(op, f"patterns must be strings, got {pattern!r}"))
     if not patterns:
         return re.compile(r"(?!)")  # matches nothing
     return re.compile("|".join(fnmatch.translate(pattern) for pattern in patterns))
@@ -89,10 +112,7 @@ def _filter(node: Any, path: str, pattern: re.Pattern[str], keep_matches: bool) 
             for key, new_child, was_dropped in zip(keys, new_kids, dropped)
             if not was_dropped
         ]
-        if type(node) is collections.defaultdict:
-            rebuilt: Any = collections.defaultdict(node.default_factory, items)
-        else:
-            rebuilt = type(node)(items)
+        rebuilt: Any = dict_like(node, items)
     else:
         rebuilt = rebuild(new_kids)
     return rebuilt, emptied and not kept_any

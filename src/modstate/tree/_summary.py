@@ -45,12 +45,20 @@ class SummaryRow:
 class TreeSummary:
     """The leaves of a tree, in order; prints as an aligned table and renders as HTML in Jupyter.
 
-    ``rows`` holds one `SummaryRow` per leaf. The totals count a tensor that appears at several
+    Made by [`summary`][modstate.tree.summary]. The totals count a tensor that appears at several
     paths (tied weights) once.
 
-    >>> report = ms.tree.summary({"w": torch.zeros(2, 3)})
-    >>> report.rows[0].shape, report.total_bytes
-    ((2, 3), 24)
+    Attributes:
+        rows: One `SummaryRow` per leaf, in walk order: ``path``, ``shape``, ``dtype``,
+            ``device``, ``numel`` and ``nbytes`` (the last three None for a non-tensor leaf).
+        total_numel: Elements over the distinct tensors.
+        total_bytes: Bytes over the distinct tensors.
+        tensor_count: How many distinct tensors the tree holds.
+
+    Example:
+        >>> report = ms.tree.summary({"w": torch.zeros(2, 3)})
+        >>> report.rows[0].shape, report.total_bytes
+        ((2, 3), 24)
     """
 
     rows: tuple[SummaryRow, ...]
@@ -59,6 +67,11 @@ class TreeSummary:
     tensor_count: int
 
     def total_line(self) -> str:
+        """The table's last line, the totals.
+
+        Returns:
+            The line, such as ``total: 2 tensors, 16 elements, 64 B``.
+        """
         return (
             f"total: {self.tensor_count} tensors, {self.total_numel:,} elements, "
             f"{human_bytes(self.total_bytes)}"
@@ -99,13 +112,20 @@ def summary(tree: Any) -> TreeSummary:
     ``print(ms.tree.summary(tree))`` shows an aligned text table; in a notebook the object renders
     as an HTML table. Sizes are ``numel * element_size`` in binary units (KiB, MiB).
 
-    >>> print(ms.tree.summary({"0": {"weight": torch.zeros(4, 3), "bias": torch.zeros(4)}}))
-    path      shape   dtype    device  size
-    ---------------------------------------
-    0.weight  (4, 3)  float32  cpu     48 B
-    0.bias    (4,)    float32  cpu     16 B
-    ---------------------------------------
-    total: 2 tensors, 16 elements, 64 B
+    Args:
+        tree: Any pytree; a leaf that is not a tensor gets a row with its type and no size.
+
+    Returns:
+        A [`TreeSummary`][modstate.tree.TreeSummary], one row per leaf.
+
+    Example:
+        >>> print(ms.tree.summary({"0": {"weight": torch.zeros(4, 3), "bias": torch.zeros(4)}}))
+        path      shape   dtype    device  size
+        ---------------------------------------
+        0.weight  (4, 3)  float32  cpu     48 B
+        0.bias    (4,)    float32  cpu     16 B
+        ---------------------------------------
+        total: 2 tensors, 16 elements, 64 B
     """
     rows = []
     seen: set[int] = set()

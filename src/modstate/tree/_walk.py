@@ -1,90 +1,70 @@
-"""The one recursion behind `modstate.tree`: rebuild any pytree leaf by leaf, and name paths in errors.
+"""The one recursion behind `modstate.tree`: rebuild any pytree leaf by leaf, naming paths in errors.
 
 What is a node and what is a leaf follows optree with ``none_is_leaf=False``: ``dict``, ``list``,
 ``tuple``, namedtuples, ``OrderedDict``, ``defaultdict`` and ``deque`` are walked into; ``None`` is a
 node with no children (it is kept where it stands and never given to a leaf function); everything
-else, tensors first, is a leaf. Plain ``dict``/``list``/``tuple`` are handled inline (`map` runs
-on this walk; the tensor ops try ``_flat`` first and come here for other trees and to name
-the path of an error); every other node type goes through ``optree.tree_flatten_one_level``, so
+else, tensors first, is a leaf. ``dict``, ``OrderedDict``, ``defaultdict``, ``list`` and ``tuple``
+are handled here; every other node type goes through ``optree.tree_flatten_one_level``, so
 nothing is registered with optree. Dicts are walked in insertion order (module order), unlike
 ``optree.tree_flatten``, which sorts keys.
+
+The three dict flavours are one kind of node: where two trees must have the same structure, a
+``dict`` matches an ``OrderedDict`` (``model.state_dict()``) or a ``defaultdict`` with the same
+keys, in any order; the result follows the first tree's flavour and order.
 
 A tie (one tensor at several places) is computed once, at its first place, and the result stands
 at all of them (``_ties``), so every op built on this walk keeps a model's tied weights tied.
 
 Paths cost nothing on the way down: an error raised at a leaf is wrapped once in `AtPath`, and each
-container it passes through on the way up adds its key.
+container it passes through on the way up adds its key (``_errors``).
 """
 
 from __future__ import annotations
 
+import collections
+import enum
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import Any, NoReturn
+from typing import Any
 
 import optree
 from torch import Tensor
 
+from modstate.tree._errors import AtPath, StructureMismatch, at_key, refuse_non_tensor
 from modstate.tree._ties import keeping_ties
 
-# How a leaf function treats a leaf that is not a tensor.
-APPLY = "apply"  # call it anyway (`map`)
-KEEP = "keep"  # leave it as it is (`clone`, `detach`, `to`)
-REFUSE = "refuse"  # TypeError naming the path (shape and arithmetic ops)
 
-_PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
+class NonTensor(enum.Enum):
+    """What a leaf function does with a leaf that is not a tensor."""
 
-
-class AtPath(Exception):
-    """An error raised somewhere inside a tree, on its way up to the public function.
-
-    ``keys`` collects the path innermost first; `path` reads it as a dotted string.
-    """
-
-    def __init__(self, error: BaseException, *keys: Any) -> None:
-        super().__init__(error)
-        self.error = error
-        self.keys: list[Any] = list(keys)
-
-    @property
-    def path(self) -> str:
-        return ".".join(str(key) for key in reversed(self.keys))
+    APPLY = enum.auto()  # call it anyway (`map`)
+    KEEP = enum.auto()  # leave it as it is (`clone`, `detach`, `to`)
+    REFUSE = enum.auto()  # TypeError naming the path (shape and arithmetic ops)
 
 
-class StructureMismatch(ValueError):
-    """Two trees that should have the same structure differ (raised inside an `AtPath`)."""
+APPLY, KEEP, REFUSE = NonTensor.APPLY, NonTensor.KEEP, NonTensor.REFUSE
 
-
-def raise_at(op: str, wrapped: AtPath, *, user_fn: bool = False) -> NoReturn:
-    """Raise the error carried by ``wrapped`` so that it names its path.
-
-    Errors from modstate's own leaf operations are re-raised as the same builtin class with
-    ``"modstate.tree.<op>: at '<path>': "`` in front of the message. An exception from a user's
-    function (``user_fn``), or of an uncommon class, is re-raised as the very same object, with
-    the path added as a note (Python 3.11+), so that callers catching it still can.
-    """
-    error = wrapped.error
-    where = repr(wrapped.path) if wrapped.keys else "the root"
-    if isinstance(error, StructureMismatch):
-        raise ValueError(f"modstate.tree.{op}: structure mismatch at {where}: {error}") from None
-    if not user_fn and type(error) in _PLAIN_ERRORS:
-        raise type(error)(f"modstate.tree.{op}: at {where}: {error}") from error
-    if hasattr(error, "add_note"):
-        error.add_note(f"raised by the function given to modstate.tree.{op} at leaf {where}")
-    raise error
-
-
-def refuse_non_tensor(leaf: Any) -> NoReturn:
-    raise TypeError(f"expected a tensor leaf, got {type(leaf).__name__}")
+DICT_KINDS = (dict, collections.OrderedDict, collections.defaultdict)
+_WALKED = (*DICT_KINDS, list, tuple)
 
 
 def is_leaf(node: Any) -> bool:
     """True for a leaf of a modstate tree (a tensor, or any value optree does not walk into)."""
     if isinstance(node, Tensor):
         return True
-    if node is None or type(node) in (dict, list, tuple):
+    if node is None or type(node) in _WALKED:
         return False
     return optree.tree_is_leaf(node, none_is_leaf=False)
+
+
+def dict_like(node: dict, items: Any) -> dict:
+    """A dict of ``node``'s flavour (``dict``, ``OrderedDict``, ``defaultdict`` with its
+    factory) holding ``items``."""
+    if type(node) is dict:
+        return dict(items)
+    if isinstance(node, collections.defaultdict):
+        return type(node)(node.default_factory, items)
+    return type(node)(items)
 
 
 def children(node: Any) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any]]:
@@ -94,9 +74,9 @@ def children(node: Any) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any
     ``rebuild(new_children)`` makes a node of the same type and metadata.
     """
     kind = type(node)
-    if kind is dict:
+    if kind in DICT_KINDS:
         keys = list(node)
-        return keys, list(node.values()), lambda new: dict(zip(keys, new))
+        return keys, list(node.values()), lambda new: dict_like(node, zip(keys, new))
     if kind is list:
         return list(range(len(node))), list(node), list
     if kind is tuple:
@@ -111,7 +91,7 @@ def children(node: Any) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any
 
 
 def map_leaves(
-    fn: Callable[[Any], Any], node: Any, non_tensor: str = APPLY, *, ties: bool = True
+    fn: Callable[[Any], Any], node: Any, non_tensor: NonTensor = APPLY, *, ties: bool = True
 ) -> Any:
     """A copy of the tree ``node`` with ``fn(leaf)`` in place of every leaf.
 
@@ -123,7 +103,7 @@ def map_leaves(
     return _map_leaves(keeping_ties(fn) if ties else fn, node, non_tensor)
 
 
-def _map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str) -> Any:
+def _map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: NonTensor) -> Any:
     kind = type(node)
     if kind is dict:
         out = {}
@@ -133,20 +113,17 @@ def _map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str) -> Any:
                     out[key] = fn(value)
                 else:
                     out[key] = _map_leaves(fn, value, non_tensor)
-        except AtPath as error:
-            error.keys.append(key)
-            raise
         except Exception as error:
-            raise AtPath(error, key) from None
+            raise at_key(error, key) from None
         return out
     if isinstance(node, Tensor):
         return fn(node)
     if node is None:
         return None
     if kind is not list and kind is not tuple and is_leaf(node):
-        if non_tensor == APPLY:
+        if non_tensor is APPLY:
             return fn(node)
-        if non_tensor == KEEP:
+        if non_tensor is KEEP:
             return node
         refuse_non_tensor(node)
     keys, kids, rebuild = children(node)
@@ -154,28 +131,35 @@ def _map_leaves(fn: Callable[[Any], Any], node: Any, non_tensor: str) -> Any:
     try:
         for child in kids:
             new.append(_map_leaves(fn, child, non_tensor))
-    except AtPath as error:
-        error.keys.append(keys[len(new)])
-        raise
     except Exception as error:
-        raise AtPath(error, keys[len(new)]) from None
+        raise at_key(error, keys[len(new)]) from None
     return rebuild(new)
 
 
-def _describe(node: Any) -> str:
+def describe(node: Any) -> str:
+    """``"a tensor of shape (2, 3)"``, ``"a dict node"``: what stands at a place, for errors.
+    All dict flavours read as ``dict``: they are one kind of node."""
     if isinstance(node, Tensor):
         return f"a tensor of shape {tuple(node.shape)}"
     if node is None:
         return "None"
+    if type(node) in DICT_KINDS:
+        return "a dict node"
     if is_leaf(node):
         return f"a leaf of type {type(node).__name__}"
     return f"a {type(node).__name__} node"
 
 
+def same_kind(node: Any, other: Any) -> bool:
+    """Whether two nodes are of one type (all dict flavours counting as one)."""
+    kind, other_kind = type(node), type(other)
+    return kind is other_kind or (kind in DICT_KINDS and other_kind in DICT_KINDS)
+
+
 def _check_same_node(node: Any, other: Any, name: str) -> None:
     """Raise `StructureMismatch` unless ``other`` is a node of the same kind and arity as ``node``."""
-    if type(other) is not type(node):
-        raise StructureMismatch(f"tree has {_describe(node)}, {name} has {_describe(other)}")
+    if not same_kind(node, other):
+        raise StructureMismatch(f"tree has {describe(node)}, {name} has {describe(other)}")
     if isinstance(node, dict):
         if node.keys() != other.keys():
             missing = [key for key in node if key not in other]
@@ -183,9 +167,7 @@ def _check_same_node(node: Any, other: Any, name: str) -> None:
             # Name the first differing child so that the path points at it.
             key = missing[0] if missing else extra[0]
             what = f"{name} has no key {key!r}" if missing else f"{name} has an extra key {key!r}"
-            raise AtPath(StructureMismatch(what), key)
-        if type(node) is not dict and list(node) != list(other):
-            raise StructureMismatch(f"keys in a different order: {list(node)} vs {list(other)}")
+            raise AtPath(StructureMismatch(what + _flat_hint(node, other, name)), key)
     elif node is not None:
         if type(node) in (list, tuple):
             count, other_count = len(node), len(other)
@@ -195,11 +177,23 @@ def _check_same_node(node: Any, other: Any, name: str) -> None:
             raise StructureMismatch(f"tree has {count} children here, {name} has {other_count}")
 
 
+def _flat_hint(node: dict, other: dict, name: str) -> str:
+    """The fix when one side is a flat ``state_dict`` (dotted keys) and the other is nested."""
+    for flat, nested, which in ((other, node, name), (node, other, "tree")):
+        dotted = [key for key in flat if isinstance(key, str) and "." in key]
+        if dotted and not any(isinstance(key, str) and "." in key for key in nested):
+            return (
+                f"; {which} has flat state_dict keys ({dotted[0]!r}): "
+                f"nest it first with ms.unflatten({which})"
+            )
+    return ""
+
+
 def map_leaves_n(
     fn: Callable[..., Any],
     node: Any,
     others: Sequence[Any],
-    non_tensor: str = APPLY,
+    non_tensor: NonTensor = APPLY,
     names: Sequence[str] = (),
     *,
     ties: bool = True,
@@ -207,9 +201,9 @@ def map_leaves_n(
     """Like `map_leaves` with ``fn(leaf, *matching_leaves_of_others)``; a tie is computed at its
     first place in ``node``, with the others' leaves there.
 
-    Every tree in ``others`` must have exactly the structure of ``node`` (dicts: the same keys, in
-    any order; the result follows ``node``'s order); the first difference raises a
-    `StructureMismatch` naming its path. ``names`` name the others in that message.
+    Every tree in ``others`` must have exactly the structure of ``node`` (dicts of any flavour:
+    the same keys, in any order; the result follows ``node``'s order); the first difference
+    raises a `StructureMismatch` naming its path. ``names`` name the others in that message.
     """
     return _map_leaves_n(keeping_ties(fn) if ties else fn, node, others, non_tensor, names)
 
@@ -218,7 +212,7 @@ def _map_leaves_n(
     fn: Callable[..., Any],
     node: Any,
     others: Sequence[Any],
-    non_tensor: str,
+    non_tensor: NonTensor,
     names: Sequence[str],
 ) -> Any:
     if not others:
@@ -227,12 +221,10 @@ def _map_leaves_n(
         for index, other in enumerate(others):
             if not is_leaf(other):
                 name = names[index] if index < len(names) else f"tree {index + 1}"
-                raise StructureMismatch(
-                    f"tree has {_describe(node)}, {name} has {_describe(other)}"
-                )
-        if non_tensor == APPLY or isinstance(node, Tensor):
+                raise StructureMismatch(f"tree has {describe(node)}, {name} has {describe(other)}")
+        if non_tensor is APPLY or isinstance(node, Tensor):
             return fn(node, *others)
-        if non_tensor == KEEP:
+        if non_tensor is KEEP:
             return node
         refuse_non_tensor(node)
     for index, other in enumerate(others):
@@ -250,11 +242,8 @@ def _map_leaves_n(
         for index, child in enumerate(kids):
             matching = [kids_of_other[index] for kids_of_other in other_kids]
             new.append(_map_leaves_n(fn, child, matching, non_tensor, names))
-    except AtPath as error:
-        error.keys.append(keys[len(new)])
-        raise
     except Exception as error:
-        raise AtPath(error, keys[len(new)]) from None
+        raise at_key(error, keys[len(new)]) from None
     return rebuild(new)
 
 
@@ -267,30 +256,30 @@ def split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -
     return _split_leaves(keeping_ties(fn), node, count)
 
 
+def _pieces(fn: Callable[[Tensor], Sequence[Any]], leaf: Tensor, count: int) -> Sequence[Any]:
+    pieces = fn(leaf)
+    if len(pieces) != count:
+        raise ValueError(
+            f"this leaf gives {len(pieces)} pieces but the first leaf gave {count}; "
+            "every leaf must give the same number"
+        )
+    return pieces
+
+
 def _split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) -> list[Any]:
-    kind = type(node)
-    if kind is dict:
-        columns = []
+    if type(node) is dict:
+        columns: list[Sequence[Any]] = []
         try:
             for value in node.values():
                 if isinstance(value, Tensor):
-                    pieces = fn(value)
-                    if len(pieces) != count:
-                        raise ValueError(piece_count_message(len(pieces), count))
+                    columns.append(_pieces(fn, value, count))
                 else:
-                    pieces = _split_leaves(fn, value, count)
-                columns.append(pieces)
-        except AtPath as error:
-            error.keys.append(list(node)[len(columns)])
-            raise
+                    columns.append(_split_leaves(fn, value, count))
         except Exception as error:
-            raise AtPath(error, list(node)[len(columns)]) from None
+            raise at_key(error, list(node)[len(columns)]) from None
         return transpose(node, columns, count)
     if isinstance(node, Tensor):
-        pieces = fn(node)
-        if len(pieces) != count:
-            raise ValueError(piece_count_message(len(pieces), count))
-        return list(pieces)
+        return list(_pieces(fn, node, count))
     if node is None:
         return [None] * count
     if is_leaf(node):
@@ -300,11 +289,8 @@ def _split_leaves(fn: Callable[[Tensor], Sequence[Any]], node: Any, count: int) 
     try:
         for child in kids:
             columns.append(_split_leaves(fn, child, count))
-    except AtPath as error:
-        error.keys.append(keys[len(columns)])
-        raise
     except Exception as error:
-        raise AtPath(error, keys[len(columns)]) from None
+        raise at_key(error, keys[len(columns)]) from None
     return [rebuild([column[i] for column in columns]) for i in range(count)]
 
 
@@ -313,13 +299,6 @@ def transpose(node: dict, columns: list[Sequence[Any]], count: int) -> list[dict
     if not columns:
         return [{} for _ in range(count)]
     return list(map(dict, map(zip, repeat(node), zip(*columns))))
-
-
-def piece_count_message(got: int, expected: int) -> str:
-    return (
-        f"this leaf gives {got} pieces but the first leaf gave {expected}; "
-        "every leaf must give the same number"
-    )
 
 
 def first_tensor(node: Any) -> Tensor | None:

@@ -1,0 +1,229 @@
+"""Arithmetic on trees with torch's rules: `add`, `sub`, `mul`, `lerp`."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from modstate._core.torch_facts import foreach_allowed
+from modstate.tree._errors import naming_paths
+from modstate.tree._fast import Decline, DictLeaves, dict_leaves, fast_or_walk, refill_tied
+from modstate.tree._predicates import is_float
+from modstate.tree._walk import REFUSE, map_leaves, map_leaves_n
+
+_SCALAR_TYPES = (int, float, bool)
+
+FLOAT_ONLY_FIX = (
+    "keep integer leaves (BatchNorm's num_batches_tracked) out: "
+    "floats, ints = ms.tree.partition(tree, ms.tree.is_float)"
+)
+
+
+def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
+    """``leaf + alpha * other`` at every leaf, with ``torch.add``'s rules (dtype promotion, alpha).
+
+    Args:
+        tree: A pytree of tensors.
+        other: A Python number, a tensor (broadcast against every leaf), or a tree with the
+            structure of ``tree`` whose leaves are added leaf by leaf (dicts: same keys, any
+            order; a ``dict`` matches an ``OrderedDict``).
+        alpha: The multiplier for ``other``.
+
+    Returns:
+        A new tree shaped like ``tree``; the inputs are not changed.
+
+    Raises:
+        ValueError: ``other`` is a tree of another structure (naming the first differing place).
+        TypeError: A leaf is not a tensor (naming its path).
+        RuntimeError: torch refuses the op at a leaf (naming its path); for a fractional
+            ``alpha`` on an integer leaf the message says how to keep integer leaves out.
+
+    Example:
+        >>> ms.tree.add({"w": torch.ones(2)}, 1)
+        {'w': tensor([2., 2.])}
+        >>> ms.tree.add({"w": torch.ones(2)}, {"w": torch.ones(2)}, alpha=-0.5)
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    if type(alpha) is int and alpha == 1:
+        return _binary("add", tree, other, torch.add, torch._foreach_add)
+    return _binary("add", tree, other, _with_alpha(torch.add, alpha))
+
+
+def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
+    """``leaf - alpha * other`` at every leaf, with ``torch.sub``'s rules.
+
+    Args:
+        tree: A pytree of tensors.
+        other: A number, a tensor, or a tree with the structure of ``tree``, as in
+            [`add`][modstate.tree.add].
+        alpha: The multiplier for ``other``.
+
+    Returns:
+        A new tree shaped like ``tree``.
+
+    Raises:
+        ValueError: ``other`` is a tree of another structure (naming the first differing place).
+        TypeError: A leaf is not a tensor (naming its path).
+        RuntimeError: torch refuses the op at a leaf (naming its path).
+
+    Example:
+        >>> ms.tree.sub({"w": torch.ones(2)}, {"w": torch.ones(2)})
+        {'w': tensor([0., 0.])}
+    """
+    if type(alpha) is int and alpha == 1:
+        return _binary("sub", tree, other, torch.sub, torch._foreach_sub)
+    return _binary("sub", tree, other, _with_alpha(torch.sub, alpha))
+
+
+def mul(tree: Any, other: Any) -> Any:
+    """``leaf * other`` at every leaf, with ``torch.mul``'s rules.
+
+    Args:
+        tree: A pytree of tensors.
+        other: A number, a tensor, or a tree with the structure of ``tree``, as in
+            [`add`][modstate.tree.add].
+
+    Returns:
+        A new tree shaped like ``tree``.
+
+    Raises:
+        ValueError: ``other`` is a tree of another structure (naming the first differing place).
+        TypeError: A leaf is not a tensor (naming its path).
+        RuntimeError: torch refuses the op at a leaf (naming its path).
+
+    Example:
+        >>> ms.tree.mul({"w": torch.ones(2)}, 3)
+        {'w': tensor([3., 3.])}
+    """
+    return _binary("mul", tree, other, torch.mul, torch._foreach_mul)
+
+
+def lerp(tree: Any, end: Any, weight: Any) -> Any:
+    """``torch.lerp(leaf, end, weight)`` = ``leaf + weight * (end - leaf)`` at every leaf.
+
+    An exponential moving average of parameters is ``ema = ms.tree.lerp(ema, params, 1 - decay)``.
+    Leaves must be floating-point or complex ([`is_float`][modstate.tree.is_float]).
+
+    Args:
+        tree: A pytree of floating-point or complex tensors.
+        end: A tree with the structure of ``tree`` (a ``dict`` matches an ``OrderedDict`` such
+            as ``model.state_dict()``), or one tensor, broadcast against every leaf.
+        weight: A number, a tensor, or a tree with the structure of ``tree``.
+
+    Returns:
+        A new tree shaped like ``tree``.
+
+    Raises:
+        ValueError: ``end`` or ``weight`` is a tree of another structure (naming the place).
+        TypeError: A leaf is not a floating-point or complex tensor (naming its path, with the
+            fix: partition the tree with [`is_float`][modstate.tree.is_float] first).
+        RuntimeError: torch refuses the op at a leaf (naming its path).
+
+    Example:
+        >>> ms.tree.lerp({"w": torch.zeros(2)}, {"w": torch.ones(2)}, 0.25)
+        {'w': tensor([0.2500, 0.2500])}
+    """
+    end_is_tree = not isinstance(end, Tensor)
+    weight_is_tree = not (isinstance(weight, (Tensor, numbers.Number)))
+    others: list[Any] = []
+    names: list[str] = []
+    if end_is_tree:
+        others.append(end)
+        names.append("end")
+    if weight_is_tree:
+        others.append(weight)
+        names.append("weight")
+
+    def leaf_lerp(leaf: Tensor, *matching: Any) -> Tensor:
+        if not is_float(leaf):
+            raise TypeError(
+                f"lerp needs floating-point or complex leaves, this one is {leaf.dtype}; "
+                + FLOAT_ONLY_FIX
+            )
+        leaf_end = matching[0] if end_is_tree else end
+        leaf_weight = matching[-1] if weight_is_tree else weight
+        return torch.lerp(leaf, leaf_end, leaf_weight)
+
+    return naming_paths("lerp", lambda: map_leaves_n(leaf_lerp, tree, others, REFUSE, names))
+
+
+def _with_alpha(op: Callable[..., Tensor], alpha: Any) -> Callable[[Tensor, Any], Tensor]:
+    """``op(a, b, alpha=alpha)``; torch's refusal of a fractional alpha on integer leaves gets the
+    fix (same error class, so the ops still fail exactly where torch's do)."""
+
+    def leaf_op(leaf: Tensor, other: Any) -> Tensor:
+        try:
+            return op(leaf, other, alpha=alpha)
+        except RuntimeError as error:
+            if "alpha" in str(error) and not is_float(leaf):
+                raise RuntimeError(f"{error} ({leaf.dtype} leaf); {FLOAT_ONLY_FIX}") from None
+            raise
+
+    return leaf_op
+
+
+def _binary(
+    op: str,
+    tree: Any,
+    other: Any,
+    leaf_op: Callable[[Tensor, Any], Tensor],
+    foreach_kernel: Callable[..., Sequence[Tensor]] | None = None,
+) -> Any:
+    """``leaf_op(leaf, other)`` (other a number or tensor) or ``leaf_op(leaf, other_leaf)``."""
+    operand_is_tree = not (
+        type(other) in _SCALAR_TYPES or isinstance(other, (Tensor, numbers.Number))
+    )
+
+    return fast_or_walk(
+        op, tree, _binary_fast, _binary_walk, other, operand_is_tree, leaf_op, foreach_kernel
+    )
+
+
+def _binary_fast(
+    flat: DictLeaves,
+    other: Any,
+    operand_is_tree: bool,
+    leaf_op: Callable[[Tensor, Any], Tensor],
+    foreach_kernel: Callable[..., Sequence[Tensor]] | None,
+) -> dict:
+    if operand_is_tree:
+        other_flat = dict_leaves(other) if type(other) is dict else None
+        if other_flat is None or other_flat.skeleton != flat.skeleton:
+            raise Decline  # the walk matches keys in any order and names a mismatch
+        out = [leaf_op(leaf, match) for leaf, match in zip(flat.leaves, other_flat.leaves)]
+    elif foreach_kernel is not None and _one_foreach_call(flat, other):
+        out = list(foreach_kernel(flat.leaves, other))  # a tuple: retie writes into it
+    else:
+        out = [leaf_op(leaf, other) for leaf in flat.leaves]
+    return refill_tied(flat, out)
+
+
+def _binary_walk(
+    tree: Any,
+    other: Any,
+    operand_is_tree: bool,
+    leaf_op: Callable[[Tensor, Any], Tensor],
+    foreach_kernel: Callable[..., Sequence[Tensor]] | None,
+) -> Any:
+    if operand_is_tree:
+        return map_leaves_n(leaf_op, tree, (other,), REFUSE, ("other",))
+    return map_leaves(lambda leaf: leaf_op(leaf, other), tree, REFUSE)
+
+
+def _one_foreach_call(flat: DictLeaves, scalar: Any) -> bool:
+    """Whether one foreach call is exactly the per-leaf op, and saves its Python dispatch.
+
+    Only for plain tensors (no subclass with its own dispatch), a Python number (foreach kernels
+    promote a 0-dim tensor or a numpy scalar differently from the per-tensor ops), and where
+    `foreach_allowed` says so (no ``torch.func`` transform, nothing recorded by autograd).
+    """
+    return (
+        flat.exact
+        and type(scalar) in _SCALAR_TYPES
+        and bool(flat.leaves)
+        and foreach_allowed(flat.leaves)
+    )
