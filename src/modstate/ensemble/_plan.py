@@ -25,7 +25,15 @@ from ._kernels import (
     NoKernel,
     kernel_for,
 )
-from ._kernels.transformer import encoder_forward, encoder_layer_forward, plain_encoder
+from ._kernels.transformer import (
+    DecoderLayerKernel,
+    EncoderLayerKernel,
+    decoder_layer_kernel,
+    encoder_forward,
+    encoder_layer_forward,
+    encoder_layer_kernel,
+    plain_encoder,
+)
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
@@ -87,9 +95,11 @@ class Plan:
         return "\n".join(self.lines())
 
 
-Installed = Kernel | MultiheadAttentionKernel | Callable[..., Any]
-"""What a layer of the runner gets: a kernel, the attention kernel, or a replacement forward
-(torch's transformer blocks)."""
+Installed = (
+    Kernel | MultiheadAttentionKernel | EncoderLayerKernel | DecoderLayerKernel | Callable[..., Any]
+)
+"""What a layer of the runner gets: a kernel, the attention kernel, a transformer layer kernel,
+or a replacement forward (torch's transformer blocks)."""
 
 
 def layer_repr(module: nn.Module) -> str:
@@ -139,9 +149,19 @@ def _visit(
             routes.append(Route(path, layer, kernel.route))
             installed[path] = kernel
             return
-        if type(module) is nn.TransformerEncoderLayer:
-            routes.append(Route(path, layer, "torch's layer-by-layer path, each layer batched"))
-            installed[path] = encoder_layer_forward(module)
+        if type(module) in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer):
+            block = (
+                encoder_layer_kernel(module, context)  # type: ignore[arg-type]
+                if type(module) is nn.TransformerEncoderLayer
+                else decoder_layer_kernel(module, context)  # type: ignore[arg-type]
+            )
+            if isinstance(block, NoKernel):
+                how = f"its layer-by-layer path, each layer batched ({block.reason})"
+                if type(module) is nn.TransformerEncoderLayer:
+                    installed[path] = encoder_layer_forward(module)  # type: ignore[arg-type]
+            else:
+                how, installed[path] = block.route, block
+            routes.append(Route(path, layer, how))
         elif type(module) is nn.TransformerEncoder and plain_encoder(module):
             routes.append(Route(path, layer, "its layers in turn (no nested-tensor conversion)"))
             installed[path] = encoder_forward(module)

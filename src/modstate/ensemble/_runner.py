@@ -39,6 +39,7 @@ from modstate._core.flat import flatten
 
 from ._functorch import VmapSetAside, as_member_view, ensemble_level, members_of, running
 from ._kernels import Home, KernelContext, MultiheadAttentionKernel, folded_attention
+from ._kernels.transformer import DecoderLayerKernel, EncoderLayerKernel
 from ._plan import Installed, plan_layers
 from ._vmap import InDims, StackedCall
 
@@ -156,6 +157,8 @@ def _sharing_copy(template: nn.Module) -> nn.Module:
 def _forward_of(what: Installed, layer: nn.Module, owner: object) -> Callable[..., Any]:
     if isinstance(what, MultiheadAttentionKernel):
         return _attention_forward(what, layer, owner)
+    if isinstance(what, (EncoderLayerKernel, DecoderLayerKernel)):
+        return _block_forward(what, owner)
     if hasattr(what, "route"):
         return _layer_forward(what, layer, owner)  # type: ignore[arg-type]
     return what  # type: ignore[return-value]  # a replacement forward (transformer blocks)
@@ -191,6 +194,23 @@ def _attention_forward(
             if done is not None:
                 return done
         return own_forward(layer, query, key, value, *rest, **options)
+
+    return forward
+
+
+def _block_forward(
+    kernel: EncoderLayerKernel | DecoderLayerKernel, owner: object
+) -> Callable[..., Any]:
+    """A transformer layer's forward: its kernel inside ``owner``'s forward, else its
+    layer-by-layer path (each sublayer with its own kernel)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        level = ensemble_level(owner)
+        if level is not None:
+            done = kernel.run(level, *args, **kwargs)
+            if done is not None:
+                return done
+        return kernel.fallback(*args, **kwargs)
 
     return forward
 

@@ -4,10 +4,14 @@ kernel without a batched form), with masks, and the whole ``nn.Transformer``."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from loop_reference import assert_like_the_loop
 from torch import nn
+
+import modstate as ms
 
 WIDTH = 8
 
@@ -45,7 +49,7 @@ def test_encoder_layers_equal_the_members_one_by_one(factory, kwargs, in_dims):
     # Eval mode without grad is where torch takes its fused kernel: compare there too.
     ensemble = assert_like_the_loop(factory, lambda: tokens(*lead), in_dims=in_dims, kwargs=kwargs)
     layers = [r for r in ensemble.plan.routes if r.layer.startswith("TransformerEncoderLayer")]
-    assert layers and all("layer-by-layer" in r.how for r in layers)
+    assert layers and all(r.how.startswith("one kernel") for r in layers)
     assert not ensemble.plan.fallbacks
 
 
@@ -74,3 +78,51 @@ class Seq2Seq(nn.Module):
 def test_a_whole_transformer_equals_the_members_one_by_one():
     ensemble = assert_like_the_loop(Seq2Seq, tokens)
     assert not ensemble.plan.fallbacks
+    decoder = [r for r in ensemble.plan.routes if r.layer.startswith("TransformerDecoderLayer")]
+    assert decoder and all(r.how.startswith("one kernel") for r in decoder)
+
+
+def pre_norm_decoder_layer() -> nn.Module:
+    return nn.TransformerDecoderLayer(
+        WIDTH, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True, norm_first=True
+    )
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = pre_norm_decoder_layer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, x[:, :4], tgt_key_padding_mask=PADDING, memory_mask=None)
+
+
+def test_a_pre_norm_decoder_layer_with_a_padding_mask():
+    assert_like_the_loop(Decoder, tokens)
+
+
+class Sublayer(nn.Module):
+    """An encoder layer whose sublayer has a hook: it runs its layer-by-layer path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = encoder_layer()
+        self.layer.linear1.register_forward_hook(lambda module, args, out: out * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def test_a_hook_on_a_sublayer_runs_through_the_layer_by_layer_path():
+    assert_like_the_loop(Sublayer, tokens)
+
+
+def test_dropout_with_randomness_same_runs_the_layer_by_layer_path():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(WIDTH, 2, 16, dropout=0.5, batch_first=True)
+    ensemble = ms.Ensemble([layer, copy.deepcopy(layer)], randomness="same")
+    out = ensemble(tokens()[0])
+    torch.testing.assert_close(out[0], out[1])  # one mask for both members, identical weights
+    different = ms.Ensemble([layer, copy.deepcopy(layer)], randomness="different")
+    out = different(tokens()[0])
+    assert not torch.equal(out[0], out[1])

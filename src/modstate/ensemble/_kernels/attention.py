@@ -122,58 +122,92 @@ class MultiheadAttentionKernel:
     ) -> tuple[Tensor, Tensor | None] | None:
         """``module(query, key, value, ...)`` for member views of ``level``; None where it has no
         batched form here (the caller runs the module's own forward)."""
-        count = self.count
-        dropout = self.module.dropout if self.module.training else 0.0
-        if dropout > 0.0 and self.randomness != "different":
+        if not self.accepts(attn_mask, is_causal):
             return None
-        if is_causal and attn_mask is None:
-            return None  # the module's own forward says what is missing
         q, q_bdim = members_of(query, level)
-        sample_dims = q.dim() - (q_bdim is not None)
-        if sample_dims not in (2, 3):
+        if q.dim() - (q_bdim is not None) not in (2, 3):
             return None
-        self_attention = key is query and value is query
-        kv_same = value is key
         k, k_bdim = members_of(key, level)
         v, v_bdim = members_of(value, level)
         padding, padding_bdim = members_of(key_padding_mask, level)
         mask, mask_bdim = members_of(attn_mask, level)
         with VmapSetAside():
-            # (members, batch, length, embed) in every case: one layout from here on.
-            q = self._canonical(member_front(q, q_bdim, count), sample_dims)
-            k = (
-                q
-                if self_attention
-                else self._canonical(member_front(k, k_bdim, count), sample_dims)
+            count = self.count
+            out, weights = self.attend(
+                member_front(q, q_bdim, count),
+                None if key is query else member_front(k, k_bdim, count),
+                None if value is key else member_front(v, v_bdim, count),
+                padding,
+                padding_bdim,
+                mask,
+                mask_bdim,
+                need_weights,
+                average_attn_weights,
+                is_causal,
             )
-            v = k if kv_same else self._canonical(member_front(v, v_bdim, count), sample_dims)
-            batch, length, source = q.shape[1], q.shape[2], k.shape[2]
-            qp, kp, vp = self._project(q, k, v, self_attention)
-            merged = self._merged_mask(
-                mask, mask_bdim, padding, padding_bdim, batch, length, source, q.dtype
-            )
-            causal = is_causal and padding is None and not need_weights
-            if causal:
-                merged = None
-            out, weights = self._attend(
-                qp, kp, vp, merged, causal, dropout, need_weights, average_attn_weights
-            )
-            out = out.transpose(1, 2).reshape(count, batch * length, self.embed)
-            out_weight = self.out_weight.get().transpose(1, 2)
-            if self.out_bias is None:
-                out = torch.bmm(out, out_weight)
-            else:
-                out = torch.baddbmm(self.out_bias.get().unsqueeze(1), out, out_weight)
-            out = out.view(count, batch, length, self.embed)
-            if sample_dims == 2:
-                out = out.squeeze(1)
-                weights = None if weights is None else weights.squeeze(1)
-            elif not self.batch_first:
-                out = out.transpose(1, 2)
         return (
             as_member_view(out, 0, level),
             None if weights is None else as_member_view(weights, 0, level),
         )
+
+    def accepts(self, attn_mask: Tensor | None, is_causal: bool) -> bool:
+        """Whether a call with these settings has a batched form here."""
+        dropout = self.module.dropout if self.module.training else 0.0
+        if dropout > 0.0 and self.randomness != "different":
+            return False
+        return not (
+            is_causal and attn_mask is None
+        )  # the module's own forward says what is missing
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        padding: Tensor | None,
+        padding_bdim: int | None,
+        mask: Tensor | None,
+        mask_bdim: int | None,
+        need_weights: bool,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The module's computation on plain tensors, every member at once: ``q`` (``k``,
+        ``v``) has the member dim first and the module's own layout after it; ``k`` None means
+        ``k`` is ``q``, ``v`` None means ``v`` is ``k``. Returns the output in that layout and
+        the attention weights if asked for (member dim first)."""
+        count = self.count
+        dropout = self.module.dropout if self.module.training else 0.0
+        sample_dims = q.dim() - 1
+        self_attention = k is None and v is None
+        # (members, batch, length, embed) in every case: one layout from here on.
+        q = self._canonical(q, sample_dims)
+        k = q if k is None else self._canonical(k, sample_dims)
+        v = k if v is None else self._canonical(v, sample_dims)
+        batch, length, source = q.shape[1], q.shape[2], k.shape[2]
+        qp, kp, vp = self._project(q, k, v, self_attention)
+        merged = self._merged_mask(
+            mask, mask_bdim, padding, padding_bdim, batch, length, source, q.dtype
+        )
+        causal = is_causal and padding is None and not need_weights
+        if causal:
+            merged = None
+        out, weights = self._attend(
+            qp, kp, vp, merged, causal, dropout, need_weights, average_attn_weights
+        )
+        out = out.transpose(1, 2).reshape(count, batch * length, self.embed)
+        out_weight = self.out_weight.get().transpose(1, 2)
+        if self.out_bias is None:
+            out = torch.bmm(out, out_weight)
+        else:
+            out = torch.baddbmm(self.out_bias.get().unsqueeze(1), out, out_weight)
+        out = out.view(count, batch, length, self.embed)
+        if sample_dims == 2:
+            out = out.squeeze(1)
+            weights = None if weights is None else weights.squeeze(1)
+        elif not self.batch_first:
+            out = out.transpose(1, 2)
+        return out, weights
 
     def _canonical(self, x: Tensor, sample_dims: int) -> Tensor:
         if sample_dims == 2:
