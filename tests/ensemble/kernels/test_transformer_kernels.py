@@ -43,14 +43,23 @@ PADDING = torch.tensor([[False] * 5, [False, False, False, True, True]])
     ],
     ids=["post_norm", "pre_norm_gelu", "causal", "padding", "encoder_causal", "encoder_padding"],
 )
-@pytest.mark.parametrize("in_dims", [None, 0])
-def test_encoder_layers_equal_the_members_one_by_one(factory, kwargs, in_dims):
-    lead = () if in_dims is None else (3,)
-    # Eval mode without grad is where torch takes its fused kernel: compare there too.
-    ensemble = assert_like_the_loop(factory, lambda: tokens(*lead), in_dims=in_dims, kwargs=kwargs)
+def test_encoder_layers_equal_the_members_one_by_one(factory, kwargs):
+    ensemble = _like_the_loop(factory, kwargs, in_dims=None)
     layers = [r for r in ensemble.plan.routes if r.layer.startswith("TransformerEncoderLayer")]
     assert layers and all(r.how.startswith("one kernel") for r in layers)
     assert not ensemble.plan.fallbacks
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"src_key_padding_mask": PADDING}], ids=["plain", "padding"]
+)
+def test_encoder_layers_with_inputs_per_member(kwargs):
+    _like_the_loop(encoder_layer, kwargs, in_dims=0)
+
+
+def _like_the_loop(factory, kwargs, in_dims):
+    lead = () if in_dims is None else (3,)
+    return assert_like_the_loop(factory, lambda: tokens(*lead), in_dims=in_dims, kwargs=kwargs)
 
 
 def test_the_eval_path_without_grad_equals_the_loop():
