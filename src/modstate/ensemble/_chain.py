@@ -1,5 +1,6 @@
 """A plain ``nn.Sequential`` of layers with batched kernels (or one such layer), run as those
-kernels one after another on plain tensors: no ``torch.vmap`` at all, the fastest path for MLPs and plain CNNs.
+kernels one after another on plain tensors: no ``torch.vmap`` at all, the fastest path for MLPs
+and plain CNNs.
 
 Used when the model is an ``nn.Sequential`` (possibly nested) of layers that each have a kernel
 or need none (elementwise activations, ``Dropout``, ``Flatten``, ``Identity``), without hooks,

@@ -41,17 +41,18 @@ class Ensemble(nn.Module):
     (batched matmul), ``Conv1d/2d/3d`` (grouped convolution), ``BatchNorm1d/2d/3d`` (one batch
     norm over the members' channels: per-member statistics, train and eval), ``LayerNorm``,
     ``GroupNorm``, ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention``
-    (members folded into the attention batch), ``TransformerEncoderLayer`` (its layer-by-layer
-    path) and Hugging Face's ``Conv1D``. The code between layers (residual adds, reshapes,
-    pooling, activations, dropout) is batched by vmap; a layer with tensors but no batched form
-    runs as its own code under vmap, with the same results (the plan says why). A plain
+    (members folded into the attention batch), ``TransformerEncoderLayer`` and
+    ``TransformerDecoderLayer`` (one kernel each) and Hugging Face's ``Conv1D``. The code
+    between layers (residual adds, reshapes, pooling, activations, dropout) is batched by vmap;
+    a layer with tensors but no batched form runs as its own code under vmap, with the same
+    results (the plan says why). A plain
     ``nn.Sequential`` of such layers called with one tensor runs the kernels in sequence without
     vmap at all. Outputs, gradients and BatchNorm statistics equal the members run one by one.
 
     Args:
         modules: the members: models of one architecture (same submodule types and training
             mode, same tensor paths, shapes, dtypes and devices; see
-            :func:`~modstate.stack_modules`).
+            [`stack_modules`][modstate.stack_modules]).
         compile: wrap the forward in ``torch.compile(dynamic=False)`` (a new input shape
             compiles again); eager is faster for small models, where guards cost more than they
             save.
@@ -147,20 +148,20 @@ class Ensemble(nn.Module):
             factory: builds one member (called ``n`` times, or once per member this rank holds
                 with a mesh).
             n: the number of members.
-            compile: see :class:`Ensemble`.
-            in_dims: see :class:`Ensemble`.
-            randomness: see :class:`Ensemble`.
-            fast: see :class:`Ensemble`.
-            mesh: see :class:`Ensemble`; every rank of the mesh calls ``from_factory`` (a
-                collective: the seed is the first rank's).
+            compile: see [`Ensemble`][modstate.Ensemble].
+            in_dims: see [`Ensemble`][modstate.Ensemble].
+            randomness: see [`Ensemble`][modstate.Ensemble].
+            fast: see [`Ensemble`][modstate.Ensemble].
+            mesh: see [`Ensemble`][modstate.Ensemble]; every rank of the mesh calls
+                ``from_factory`` (a collective: the seed is the first rank's).
 
         Returns:
             The ensemble.
 
         Raises:
             ValueError: ``n`` is not a positive int, the factory's models differ (see
-                :func:`~modstate.stack_modules`), or the options are refused (see
-                :class:`Ensemble`).
+                [`stack_modules`][modstate.stack_modules]), or the options are refused (see
+                [`Ensemble`][modstate.Ensemble]).
             TypeError: the factory returned something that is not an ``nn.Module``.
 
         Example:
@@ -307,7 +308,7 @@ class Ensemble(nn.Module):
     @property
     def plan(self) -> Plan:
         """How ``forward`` runs the members: each layer with its route, and for a layer that
-        falls back to plain ``torch.vmap``, why (see :class:`~modstate.ensemble._plan.Plan`)."""
+        falls back to plain ``torch.vmap``, why (see `Plan`)."""
         if self._shards is not None:
             return self.local.plan
         runner = self._runner
@@ -385,7 +386,7 @@ class Ensemble(nn.Module):
         return module
 
     def members(self) -> list[nn.Module]:
-        """Every member as an ordinary module (see :meth:`member`).
+        """Every member as an ordinary module (see `member`).
 
         Returns:
             ``[self.member(i) for i in range(len(self))]``.

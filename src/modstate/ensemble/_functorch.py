@@ -2,9 +2,9 @@
 
 Inside the ensemble's ``torch.vmap``, a layer receives one member's view of its input: a
 ``BatchedTensor`` whose hidden dim ``bdim`` holds every member. A kernel takes the tensor inside
-(:func:`members_of`), computes every member at once on the stacked weights with ordinary torch
-ops, and hands the result back as one member's view again (:func:`as_member_view`). While it
-computes, the vmap layer is set aside (:class:`VmapSetAside`): the kernel's ops then run as plain
+(`members_of`), computes every member at once on the stacked weights with ordinary torch
+ops, and hands the result back as one member's view again (`as_member_view`). While it
+computes, the vmap layer is set aside (`VmapSetAside`): the kernel's ops then run as plain
 ops on plain tensors, recorded by autograd (or by an outer ``torch.func`` transform) as the ops
 they are, and random ops draw as written (vmap would otherwise batch them a second time).
 
@@ -13,7 +13,7 @@ costs about 250 µs a call against 6 µs here, more than the layers it would spe
 four private functions of ``torch._C._functorch``, used nowhere else in modstate.
 
 The ensemble's own vmap level is kept in a context variable for the duration of its forward
-(:func:`ensemble_level`), so that a kernel knows which batch dim is the member dim and a layer
+(`ensemble_level`), so that a kernel knows which batch dim is the member dim and a layer
 run outside an ensemble's forward is recognized as such. Context variables are per thread.
 """
 

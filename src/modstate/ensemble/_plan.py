@@ -57,8 +57,8 @@ class Route:
 
 
 class Plan:
-    """How an :class:`~modstate.Ensemble` runs its members' forward: every layer with the route
-    it takes (:class:`Route`), and notes on functions it folds (attention), as ``repr`` shows.
+    """How an [`Ensemble`][modstate.Ensemble] runs its members' forward: every layer with the route
+    it takes (`Route`), and notes on functions it folds (attention), as ``repr`` shows.
 
     Attributes:
         summary: the path of the whole forward, in one line.

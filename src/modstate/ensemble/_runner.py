@@ -9,11 +9,11 @@ tensor code) is the model's own code under ``torch.vmap``, which batches it with
 a layer without a kernel is that code too.
 
 Every stacked tensor also goes into the vmapped call as the member's own tensor (through
-:func:`modstate.call`), so code that reads a layer's tensors directly, or a kernel that refuses
-an input it has no batched form for and calls the layer's own forward, computes with the right
-member's values. What another thread sees: the runner is private to the ensemble and the
-stateless call is what :func:`modstate.call` promises; kernels only read the stacked tensors
-(BatchNorm statistics are updated in place, as ``nn.BatchNorm`` does).
+[`modstate.call`][modstate.call]), so code that reads a layer's tensors directly, or a kernel
+that refuses an input it has no batched form for and calls the layer's own forward, computes
+with the right member's values. What another thread sees: the runner is private to the
+ensemble and the stateless call is what [`modstate.call`][modstate.call] promises; kernels only
+read the stacked tensors (BatchNorm statistics are updated in place, as ``nn.BatchNorm`` does).
 
 Attention written as ``F.scaled_dot_product_attention`` in a model's own code (Hugging Face,
 timm) is folded too: on the first call in each mode (training, eval) a ``TorchFunctionMode``
@@ -112,7 +112,8 @@ class VmapRunner:
                 if path in self._scopes:
                     continue
                 layer = self.module.get_submodule(path)
-                layer.forward = _folding_forward(layer.forward, self.folding)  # type: ignore[method-assign]
+                scoped = _folding_forward(layer.forward, self.folding)
+                layer.forward = scoped  # type: ignore[method-assign]
                 self._scopes[path] = layer
             self._watched.add(training)
 
@@ -217,7 +218,7 @@ def _block_forward(
 
 class AttentionFolding(TorchFunctionMode):
     """Runs ``F.scaled_dot_product_attention`` on the runner's member views with the members
-    folded into its batch; while :meth:`watching`, also notes which layer made each call."""
+    folded into its batch; while `watching`, also notes which layer made each call."""
 
     def __init__(self, runner: VmapRunner) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Member-parallel ensembles: the member dim sharded over the ranks of a 1-D ``DeviceMesh``.
 
 ``Ensemble(models, mesh=mesh)`` and ``Ensemble.from_factory(factory, n, mesh=mesh)`` keep a
-:class:`MemberShards`: the ensemble's registered parameters and buffers are ``DTensor`` s with
+`MemberShards`: the ensemble's registered parameters and buffers are ``DTensor`` s with
 ``Shard(0)`` over the mesh, of global shape ``(n, ...)``, so an optimizer, ``state_dict`` and
 ``save_distributed`` see the whole ensemble, each rank storing and computing only its members.
 Members are split as ``torch.chunk`` splits the member dim (as ``Shard(0)`` does): rank ``r`` of

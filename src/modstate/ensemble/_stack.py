@@ -142,8 +142,8 @@ def stack_modules(modules: Sequence[nn.Module], *, use_state_dict: bool = False)
 
     Raises:
         TypeError: an entry is not an ``nn.Module``, or a submodule's type differs.
-        ValueError: no modules, or the models differ (see :func:`stack`); the message names the
-            first path where one differs from the first model.
+        ValueError: no modules, or the models differ (see [`stack`][modstate.stack]); the
+            message names the first path where one differs from the first model.
 
     Example:
         >>> import torch, modstate as ms

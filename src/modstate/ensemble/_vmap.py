@@ -49,12 +49,13 @@ def vmap_call(
     buffer that ``forward`` reassigns is written back into ``stacked``, stacked. Tied tensors
     stay tied (the stacked tree holds one tensor at both paths). The module is left exactly as it
     was: same objects, same ``requires_grad``. For a module that owns its stacked state and runs
-    the layers' batched kernels, see :class:`modstate.Ensemble`.
+    the layers' batched kernels, see [`modstate.Ensemble`][modstate.Ensemble].
 
     Args:
         module: the model whose ``forward`` runs; its own tensors are not used.
         stacked: a tree shaped like ``ms.extract(module)`` whose leaves have one leading member
-            dim, as :func:`modstate.stack` and :func:`modstate.stack_modules` make.
+            dim, as [`stack`][modstate.stack] and [`stack_modules`][modstate.stack_modules]
+            make.
         *args: positional inputs of ``forward``.
         in_dims: how positional inputs map to members. None (default): every member sees the
             same inputs; 0: each input holds one slice per member along dim 0; a tuple: one entry

@@ -1,7 +1,7 @@
 """The batched kernels, one file per family of layers, and which layer type takes which.
 
 ``kernel_for(module, context)`` is the one lookup: a kernel for ``module`` (a layer of the
-template, by its exact type: a subclass may compute something else), a :class:`NoKernel` saying
+template, by its exact type: a subclass may compute something else), a `NoKernel` saying
 why this instance has none, or None when its type has no kernel at all.
 """
 

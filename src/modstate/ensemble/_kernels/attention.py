@@ -87,7 +87,7 @@ class MultiheadAttentionKernel:
     """N ``nn.MultiheadAttention`` layers: batched matmuls for the projections on the stacked
     weights, and one attention call with the members folded into the batch (explicit
     ``softmax(q k^T) v`` when the attention weights are asked for). Takes the module's own
-    arguments (see :meth:`run`)."""
+    arguments (see `run`)."""
 
     route = "batched projections, attention with the members folded into the batch"
     fresh = False

@@ -1,11 +1,11 @@
 """What every batched kernel is made of: where the stacked tensors live, and the kernel contract.
 
-A kernel is built once per layer of the template, from the layer and a :class:`KernelContext`,
+A kernel is built once per layer of the template, from the layer and a `KernelContext`,
 and then called as ``kernel(x, bdim)`` on plain tensors: ``x`` holds every member's input along
 dim ``bdim`` (or is the same input for every member when ``bdim`` is None), and the kernel returns
 ``(out, out_bdim)`` with every member's output along ``out_bdim``, or None when this call's input
 has no batched form here (the caller then runs the layer's own ``forward`` under vmap). Kernels
-keep no tensors: they read the stacked tensors from their :class:`Home` at every call, so
+keep no tensors: they read the stacked tensors from their `Home` at every call, so
 ``.to()``, ``load_state_dict`` and a stateless call on the ensemble are seen at once.
 """
 
@@ -54,7 +54,7 @@ class KernelContext:
         return home
 
     def maybe_home(self, tensor: Tensor | nn.Module | None) -> Home | None:
-        """:meth:`home`, or None when the layer holds None there (a Linear without bias)."""
+        """`home`, or None when the layer holds None there (a Linear without bias)."""
         return None if tensor is None else self.home(tensor)
 
 

@@ -52,7 +52,9 @@ class LinearKernel:
         if self.biases is None:
             out = torch.bmm(rows, transposed)
         else:
-            out = torch.baddbmm(self.biases[self.bias_name].unsqueeze(1), rows, transposed)  # type: ignore[union-attr]
+            bias = self.biases[self.bias_name]
+            assert bias is not None
+            out = torch.baddbmm(bias.unsqueeze(1), rows, transposed)
         return (out, 0) if lead is None else (out.view(count, *lead, out.shape[-1]), 0)
 
 

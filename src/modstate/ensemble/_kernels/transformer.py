@@ -8,7 +8,7 @@ once, from the kernels of its attention, linear and norm layers: one step into a
 per transformer layer instead of one per sublayer and per residual add. Where a layer kernel has
 no batched form for a call (dropout with randomness other than ``"different"``, hooks on a
 sublayer, an activation that is not elementwise), the layer runs its layer-by-layer path with
-each sublayer's own kernel (:func:`encoder_layer_forward`), or its own forward.
+each sublayer's own kernel (`encoder_layer_forward`), or its own forward.
 """
 
 from __future__ import annotations
