@@ -114,3 +114,48 @@ def test_the_models_and_members_never_see_a_kernel():
     ensemble(torch.randn(2, 3, 6, 6))
     for module in [*models, ensemble.member(0), ensemble._template]:
         assert all("forward" not in vars(m) for m in module.modules())
+
+
+class Attending(nn.Module):
+    """Glue tensors (injected per call) and attention in the model's own code (folded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return self.norm(out * self.scale)
+
+
+@pytest.mark.parametrize("factory", [Glue, Attending], ids=["glue", "attention"])
+def test_one_ensemble_called_from_several_threads_at_once(factory):
+    import threading
+
+    ensemble = ms.Ensemble(seeded_members(factory)).eval()
+    shape = (2, 3, 6, 6) if factory is Glue else (2, 5, 8)
+    inputs = [torch.randn(*shape, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with torch.no_grad():
+        expected = [ensemble(x) for x in inputs]  # one thread, first
+    wrong: list[str] = []
+
+    def work(index: int) -> None:
+        try:
+            with torch.no_grad():
+                for call in range(100):
+                    if not torch.equal(ensemble(inputs[index]), expected[index]):
+                        wrong.append(f"thread {index}, call {call}")
+        except Exception as error:  # a thread's exception would otherwise go unseen
+            wrong.append(f"thread {index}: {error!r}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    for model in [ensemble._template, ensemble.member(0)]:  # no forward left a kernel or a view
+        assert all("forward" not in vars(m) for m in model.modules())

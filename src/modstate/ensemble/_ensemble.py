@@ -17,7 +17,7 @@ from ._chain import Chain, build_chain
 from ._factory import build_members, draw_base_seed, member_seed
 from ._kernels import KernelContext
 from ._plan import Plan
-from ._runner import VmapRunner
+from ._runner import ThreadRunners, VmapRunner
 from ._sharded import MemberShards
 from ._stack import stack_modules
 from ._stacked_state import homes_of, private_copy, register_stacked
@@ -96,7 +96,7 @@ class Ensemble(nn.Module):
     stacked: nn.Module
     local: Ensemble  # a member-parallel ensemble's computing part (this rank's members)
     _template: nn.Module
-    _runner: VmapRunner
+    _runners: ThreadRunners
     _chain: Chain | None
     _shards: MemberShards | None
 
@@ -236,7 +236,9 @@ class Ensemble(nn.Module):
         by_member = self._in_dims in (0, (0,), [0])
         chain = build_chain(template, context) if self.fast else None
         self._chain = chain if self._in_dims is None or by_member else None
-        self._runner = VmapRunner(template, homes, self.count, self._randomness, self.fast)
+        self._runners = ThreadRunners(
+            lambda: VmapRunner(template, homes, self.count, self._randomness, self.fast)
+        )
         flat = flatten(extract(template))
         self._tree_homes = [homes[id(t)] for t in flat.values()]
         self._layout = Layout(list(flat))
@@ -250,7 +252,7 @@ class Ensemble(nn.Module):
                 "deep-copied; save it with modstate.checkpoint.save_distributed"
             )
         state = dict(super().__getstate__())
-        for name in ("_chain", "_runner", "_tree_homes", "_layout", "_forward_impl"):
+        for name in ("_chain", "_runners", "_tree_homes", "_layout", "_forward_impl"):
             state.pop(name, None)
         return state
 
@@ -293,7 +295,7 @@ class Ensemble(nn.Module):
                     "ensemble with in_dims=None to share the input"
                 )
             return chain(x, shared)
-        return self._runner(args, kwargs, self._in_dims)
+        return self._runners.mine()(args, kwargs, self._in_dims)
 
     @property
     def in_dims(self) -> InDims:
@@ -311,7 +313,7 @@ class Ensemble(nn.Module):
         falls back to plain ``torch.vmap``, why (see `Plan`)."""
         if self._shards is not None:
             return self.local.plan
-        runner = self._runner
+        runner = self._runners.mine()
         batched = sum(route.fallback is None for route in runner.routes)
         fallbacks = len(runner.routes) - batched
         if not self.fast:
@@ -409,7 +411,7 @@ class Ensemble(nn.Module):
             self.local.train(mode)
         else:
             self._template.train(mode)
-            self._runner.train(mode)
+            self._runners.train(mode)
         return self
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Ensemble:

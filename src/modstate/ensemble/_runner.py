@@ -11,9 +11,13 @@ a layer without a kernel is that code too.
 Every stacked tensor also goes into the vmapped call as the member's own tensor (through
 [`modstate.call`][modstate.call]), so code that reads a layer's tensors directly, or a kernel
 that refuses an input it has no batched form for and calls the layer's own forward, computes
-with the right member's values. What another thread sees: the runner is private to the
-ensemble and the stateless call is what [`modstate.call`][modstate.call] promises; kernels only
-read the stacked tensors (BatchNorm statistics are updated in place, as ``nn.BatchNorm`` does).
+with the right member's values.
+
+Threads: each thread that calls the ensemble gets a runner of its own (:class:`ThreadRunners`),
+built on its first call, sharing the template's tensors: the stateless call puts the member
+views into that thread's copy only, so concurrent calls never see each other's state, and the
+ensemble's own modules are never changed by a forward (kernels read the stacked tensors; only
+BatchNorm's running statistics are updated in place, as ``nn.BatchNorm`` does).
 
 Attention written as ``F.scaled_dot_product_attention`` in a model's own code (Hugging Face,
 timm) is folded too: on the first call in each mode (training, eval) a ``TorchFunctionMode``
@@ -129,6 +133,32 @@ class VmapRunner:
 
     def train(self, mode: bool) -> None:
         self.module.train(mode)
+
+
+class ThreadRunners:
+    """One :class:`VmapRunner` per calling thread, made by ``build`` on the thread's first call;
+    ``train(mode)`` reaches every runner made so far."""
+
+    def __init__(self, build: Callable[[], VmapRunner]) -> None:
+        self._build = build
+        self._local = threading.local()
+        self._made: list[VmapRunner] = []
+        self._lock = threading.Lock()
+
+    def mine(self) -> VmapRunner:
+        """This thread's runner."""
+        runner: VmapRunner | None = getattr(self._local, "runner", None)
+        if runner is None:
+            runner = self._build()  # a copy of the template: in the template's modes
+            with self._lock:
+                self._made.append(runner)
+            self._local.runner = runner
+        return runner
+
+    def train(self, mode: bool) -> None:
+        with self._lock:
+            for runner in self._made:
+                runner.train(mode)
 
 
 def _sharing_copy(template: nn.Module) -> nn.Module:
