@@ -133,3 +133,21 @@ def test_folded_attention_is_noted_with_the_layers_that_call_it():
         torch.testing.assert_close(ensemble(x), expected, atol=1e-5, rtol=1e-5)
     (note,) = ensemble.plan.notes
     assert "folded" in note and "'first'" in note and "'second'" in note
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass of a layer with a kernel: its forward may compute something else."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def test_a_subclass_of_a_kernel_layer_runs_its_own_forward_and_says_why():
+    ensemble = ms.Ensemble(seeded(lambda: nn.Sequential(ScaledLinear(3, 2), nn.Tanh())))
+    (fallback,) = ensemble.plan.fallbacks
+    assert "ScaledLinear" in fallback.fallback and "a subclass of nn.Linear" in fallback.fallback
+    x = torch.randn(4, 3)
+    expected = torch.stack(
+        [m(x) for m in seeded(lambda: nn.Sequential(ScaledLinear(3, 2), nn.Tanh()))]
+    )
+    torch.testing.assert_close(ensemble(x), expected)

@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 
 from ._kernels import (
     ELEMENTWISE,
+    KERNEL_TYPES,
     Kernel,
     KernelContext,
     MultiheadAttentionKernel,
@@ -170,13 +171,23 @@ def _visit(
         why = (
             "fast=False: the whole model runs under vmap"
             if not batched
-            else f"no batched kernel for {type(module).__name__}"
+            else _no_kernel_reason(module)
         )
         routes.append(Route(path, layer, f"its own code under vmap, reading {', '.join(own)}", why))
     elif not children:
         routes.append(Route(path, layer, _stateless_route(module, context)))
     for name, child in children:
         _visit(child, f"{path}.{name}" if path else name, context, batched, routes, installed, seen)
+
+
+def _no_kernel_reason(module: nn.Module) -> str:
+    kind = type(module)
+    name = f"no batched kernel for {kind.__name__}"
+    base = next((b for b in kind.__mro__[1:] if b in KERNEL_TYPES), None)
+    if base is None:
+        return name
+    # Kernels go by exact type: a subclass may compute something else in its forward.
+    return f"{name} ({kind.__module__}.{kind.__qualname__}, a subclass of nn.{base.__name__})"
 
 
 def _stateless_route(module: nn.Module, context: KernelContext) -> str:

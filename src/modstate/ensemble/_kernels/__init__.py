@@ -35,6 +35,9 @@ _BUILDERS: dict[type[nn.Module], Builder] = {
     nn.MultiheadAttention: multihead_attention_kernel,
 }
 
+KERNEL_TYPES: frozenset[type[nn.Module]] = frozenset(_BUILDERS)
+"""The layer types with a kernel (by exact type)."""
+
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.CELU,
     nn.ELU,
@@ -80,6 +83,7 @@ def kernel_for(
 
 __all__ = [
     "ELEMENTWISE",
+    "KERNEL_TYPES",
     "Home",
     "Kernel",
     "KernelContext",
