@@ -35,8 +35,15 @@ def factory() -> nn.Module:
     )
 
 
+def built_alone(count: int, seed: int) -> ms.Ensemble:
+    """The one-process ensemble that ``from_factory`` builds from global seed ``seed``: a mesh
+    ensemble whose first rank's global state came from that seed holds the same members."""
+    torch.manual_seed(seed)
+    return ms.Ensemble.from_factory(factory, count)
+
+
 def seeded_members(count: int) -> list[nn.Module]:
-    """Member i built under torch.manual_seed(i): what the mesh form promises."""
+    """Member i built under torch.manual_seed(i): models to pass to Ensemble(models)."""
     models = []
     for i in range(count):
         torch.manual_seed(i)
@@ -97,11 +104,11 @@ def primed_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
 def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> list[int]:
     saved = Path(directory)
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(1000 + rank)  # the caller's random state: left alone by from_factory
+    torch.manual_seed(1000 + rank)  # the ranks' random states differ: the first rank's decides
     before = torch.get_rng_state()
     ensemble = ms.Ensemble.from_factory(factory, MEMBERS, mesh=mesh)
-    assert torch.equal(torch.get_rng_state(), before)
-    reference = ms.Ensemble(seeded_members(MEMBERS))
+    assert not torch.equal(torch.get_rng_state(), before)  # one draw: the next ensemble differs
+    reference = built_alone(MEMBERS, seed=1000)
     assert isinstance(ensemble, ms.Ensemble) and len(ensemble) == MEMBERS
     assert f"members=8 over 2 ranks, here {4 * rank}..{4 * rank + 3}" in repr(ensemble)
 
@@ -109,7 +116,7 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
     for path, leaf in ms.flatten(ensemble.tree()).items():
         assert isinstance(leaf, DTensor) and leaf.placements == (Shard(0),), path
         assert leaf.shape[0] == MEMBERS and leaf.to_local().shape[0] == MEMBERS // world_size
-    assert_close_trees(ensemble.tree(), reference.tree())  # member i is seeded by i
+    assert_close_trees(ensemble.tree(), reference.tree())  # member i as on one process
 
     # Forward on shared inputs: outputs sharded on the member dim.
     x, y = batch(0)
@@ -119,7 +126,7 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
 
     # Every rank passing all the models builds the same ensemble.
     from_models = ms.Ensemble(seeded_members(MEMBERS), mesh=mesh)
-    assert_close_trees(from_models.tree(), reference.tree())
+    assert_close_trees(from_models.tree(), ms.Ensemble(seeded_members(MEMBERS)).tree())
 
     # Per-member inputs (in_dims=0): a full tensor, each rank takes its members' rows.
     per_member = torch.randn(MEMBERS, 5, 4, generator=torch.Generator().manual_seed(5))
@@ -129,9 +136,10 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
 
     # Uneven: 3 members over 2 ranks split 2 + 1 (the fix the refusal below names: a count that
     # leaves every rank a member); a rank without members is refused.
+    torch.manual_seed(2000 + rank)
     uneven = ms.Ensemble.from_factory(factory, 3, mesh=mesh)
     assert uneven.stacked.get_submodule("0").weight.to_local().shape[0] == (2, 1)[rank]
-    assert torch.allclose(uneven(x).full_tensor(), ms.Ensemble(seeded_members(3))(x), **TOLERANCE)
+    assert torch.allclose(uneven(x).full_tensor(), built_alone(3, seed=2000)(x), **TOLERANCE)
     with pytest.raises(ValueError, match="1 members over 2 ranks.*rank.* 1 .*no member"):
         ms.Ensemble.from_factory(factory, 1, mesh=mesh)
 
@@ -149,8 +157,9 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
 
     # Training with modstate.optim: pure steps on trees of DTensors, gradients by autograd
     # through a stateless call.
+    torch.manual_seed(3000 + rank)
     functional = ms.Ensemble.from_factory(factory, MEMBERS, mesh=mesh)
-    plain = ms.Ensemble(seeded_members(MEMBERS))
+    plain = built_alone(MEMBERS, seed=3000)
     optimizer = ms.optim.adam(lr=1e-2)
     trees = {"mesh": ms.tree.detach(functional.tree()), "plain": ms.tree.detach(plain.tree())}
     states = {key: optimizer.init(tree) for key, tree in trees.items()}

@@ -10,10 +10,12 @@ over the copies, forward and gradients; checkpoints round-trip, ours and the eco
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import safetensors.torch
 import torch
-from models import VMAP_LIMITED, Model, params
+from models import MODELS, VMAP_LIMITED, Model, params
 from torch import nn
 
 import modstate as ms
@@ -205,7 +207,10 @@ def test_vmap_call_equals_a_loop_of_copies(spec):
     assert_unchanged(models[0], before)
 
 
-@parametrize_vmap
+ENSEMBLED = {"Linear", "Conv2d", "Embedding", "BatchNorm2d", "MultiheadAttention", "Conv1D"}
+
+
+@pytest.mark.parametrize("spec", params(leave_out={"t5_eager"}))
 def test_ensemble_equals_a_loop_of_copies(spec):
     models = copies(spec)
     expected_out, expected_grads = loop_outputs_and_grads(spec, models)
@@ -216,6 +221,28 @@ def test_ensemble_equals_a_loop_of_copies(spec):
     assert_stacked_grads(ensemble.tree(), expected_grads)
     member = ensemble.member(1)
     torch.testing.assert_close(run(spec, member), expected_out[1], rtol=1e-5, atol=1e-5)
+    # Every layer of a kind with a kernel runs it (parametrized layers fall back, and say why).
+    for route in ensemble.plan.routes:
+        if route.layer.split("(")[0] in ENSEMBLED:
+            assert route.fallback is None, route
+
+
+@pytest.mark.parametrize("spec", params([m for m in MODELS if m.library == "torchvision"]))
+def test_ensemble_in_training_mode_updates_each_members_batch_norm_statistics(spec):
+    models = [m.train() for m in copies(spec)]
+    for model in models:  # no random masks: outputs comparable with the members one by one
+        for layer in model.modules():
+            if isinstance(layer, nn.Dropout):
+                layer.eval()
+    ensemble = ms.Ensemble(models)
+    references = [copy.deepcopy(m) for m in models]
+    for _ in range(2):
+        out = spec.output(ensemble(*spec.inputs()))
+        expected = torch.stack([run(spec, m) for m in references])
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    stacked = ms.flatten(ms.stack([ms.extract(m) for m in references]))
+    for path, leaf in ms.flatten(ensemble.tree()).items():
+        torch.testing.assert_close(leaf, stacked[path], rtol=1e-5, atol=1e-5, msg=path)
 
 
 @parametrize_models

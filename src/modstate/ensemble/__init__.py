@@ -1,8 +1,14 @@
-"""Ensembles: N models of one architecture as stacked trees, run at once under ``torch.vmap``.
+"""Ensembles: N models of one architecture as stacked trees, run at once.
 
-``_stack`` stacks and unstacks trees, ``_vmap`` runs a module with every member of a stacked tree,
-``_batched`` holds the batched kernels of the layers whose ensemble form is known, and
-``_ensemble`` the ``Ensemble`` module that owns stacked state.
+``_stack`` stacks and unstacks trees; ``_vmap`` runs a module with every member of a stacked
+tree under ``torch.vmap`` (``vmap_call``); ``_ensemble`` holds the ``Ensemble`` module that owns
+stacked state. How an ``Ensemble`` runs: ``_plan`` decides each layer's route, ``_kernels/``
+holds the batched kernels (one file per family of layers), ``_functorch`` is the seam where a
+kernel meets ``torch.vmap``, ``_runner`` runs the model's own forward under vmap with the
+kernels in place, and ``_chain`` runs a plain ``Sequential`` of kernels without vmap.
+``_stacked_state`` registers the stacked tensors on a mirror of the model, ``_factory`` builds
+members for ``Ensemble.from_factory`` (seeds, one member at a time), and ``_sharded`` spreads
+the members over the ranks of a device mesh.
 
 May import ``modstate._core`` and ``modstate.tree``; never ``optim``, ``checkpoint`` or ``cli``.
 """

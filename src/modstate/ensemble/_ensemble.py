@@ -2,84 +2,103 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from modstate._core.anatomy import slot_at
 from modstate._core.extract import extract
 from modstate._core.flat import Layout, flatten
 from modstate._core.inject import swap
+from modstate._core.types import Tree
 
-from ._batched import PlanContext, Slot, compile_plan, layer_names, vmap_runner
+from ._chain import Chain, build_chain
+from ._factory import build_members, draw_base_seed, member_seed
+from ._kernels import KernelContext
+from ._plan import Plan
+from ._runner import ThreadRunners, VmapRunner
+from ._sharded import MemberShards
 from ._stack import stack_modules
-from ._vmap import InDims
-
-_RANDOMNESS = ("error", "different", "same")
+from ._stacked_state import homes_of, private_copy, register_stacked
+from ._vmap import RANDOMNESS, InDims
 
 
 class Ensemble(nn.Module):
-    """N models of one architecture as one module: the stacked state is its parameters and buffers.
+    """N models of one architecture as one module: the stacked state is its parameters and
+    buffers, and ``forward`` runs every member at once.
 
-    ``Ensemble(models)`` stacks the models' parameters and buffers (they must agree in structure,
-    shapes, dtypes and training mode; see [`stack_modules`][modstate.stack_modules]) and registers the stacked tensors
-    on ``self.stacked``, a mirror of the model's module tree: the stacked tensor of the members'
-    ``"0.weight"`` is ``ensemble.stacked.get_submodule("0").weight`` (leading dim N), and ``state_dict`` keys are
-    ``"stacked.0.weight"`` and so on. ``ms.extract(ensemble.stacked)`` is the stacked tree. Hence
+    The stacked tensors are registered on ``self.stacked``, a mirror of the model's module tree:
+    the members' ``"0.weight"`` stacked is ``ensemble.stacked.get_submodule("0").weight``
+    (leading dim N), and ``state_dict`` keys are ``"stacked.0.weight"`` and so on. Hence
     ``ensemble.parameters()`` goes straight into a ``torch.optim`` optimizer, ``state_dict`` /
     ``load_state_dict`` round-trip, and ``.to()`` / ``.double()`` move everything. The models
-    themselves are left alone: the ensemble keeps a private copy of the first as a template.
+    given are left alone: the ensemble keeps a private copy of the first as a template.
 
-    ``forward(*args, **kwargs)`` runs every member and returns the stacked outputs (dim 0 is the
-    member). ``in_dims=None`` (default): all members see the same inputs; ``in_dims=0``: each
-    positional input holds one slice per member along dim 0; a tuple: per input, as in
-    ``torch.vmap``. Keyword arguments are always shared. ``len(ensemble)`` is N.
+    How it runs (``ensemble.plan`` shows it, layer by layer): the members' own ``forward`` runs
+    once, under ``torch.vmap``, on member-stacked activations, and every layer with a batched
+    form runs as one kernel on the stacked weights wherever it sits in the model: ``Linear``
+    (batched matmul), ``Conv1d/2d/3d`` (grouped convolution), ``BatchNorm1d/2d/3d`` (one batch
+    norm over the members' channels: per-member statistics, train and eval), ``LayerNorm``,
+    ``GroupNorm``, ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention``
+    (members folded into the attention batch), ``TransformerEncoderLayer`` and
+    ``TransformerDecoderLayer`` (one kernel each) and Hugging Face's ``Conv1D``. The code
+    between layers (residual adds, reshapes, pooling, activations, dropout) is batched by vmap;
+    a layer with tensors but no batched form runs as its own code under vmap, with the same
+    results (the plan says why). A plain
+    ``nn.Sequential`` of such layers called with one tensor runs the kernels in sequence without
+    vmap at all. Outputs, gradients and BatchNorm statistics equal the members run one by one.
 
-    Speed: a model made of layers with a known batched form (``Sequential`` of ``Linear``,
-    ``Conv1d/2d/3d``, ``LayerNorm``, ``Dropout``, ``Flatten``, ``Identity`` and elementwise
-    activations such as ``ReLU``, ``GELU``, ``Tanh``, ``Sigmoid``, ``SiLU``) runs them as one
-    batched kernel each on the stacked tensors (``torch.baddbmm``, grouped convolution), with the
-    same results and gradients as the per-model loop; any other submodule runs under
-    ``torch.vmap`` over [`modstate.call`][modstate.call] with its slice of the stacked state (BatchNorm
-    statistics update per member). ``fast=False`` runs the whole model under vmap (the reference
-    path). ``compile=True`` wraps the forward in ``torch.compile(dynamic=False)`` (a new input
-    shape compiles again); eager is faster for small models, where guards cost more than they
-    save. ``randomness`` is vmap's, with
-    the default of [`vmap_call`][modstate.vmap_call] and ``torch.vmap``, ``"error"``: a random op in a member
-    (dropout in training mode) is refused until you choose ``"different"`` (an independent mask
-    per member, like a loop over the models) or ``"same"`` (one mask shared by all). A layer with
-    hooks of its own runs under vmap, so that its hooks run; the plan is made once, when the
-    ensemble is built (global module hooks are not seen by the batched kernels).
+    Args:
+        modules: the members: models of one architecture (same submodule types and training
+            mode, same tensor paths, shapes, dtypes and devices; see
+            [`stack_modules`][modstate.stack_modules]).
+        compile: wrap the forward in ``torch.compile(dynamic=False)`` (a new input shape
+            compiles again); eager is faster for small models, where guards cost more than they
+            save.
+        in_dims: how positional inputs map to members, as ``torch.vmap``'s: None (default)
+            shares every input; 0: each input holds one slice per member along dim 0; a tuple
+            gives one entry per input. Keyword arguments are always shared.
+        randomness: ``torch.vmap``'s, with its default ``"error"``: a random op in a member
+            (dropout in training mode) is refused until you choose ``"different"`` (an
+            independent draw per member, like a loop over the models) or ``"same"`` (one draw
+            shared by all).
+        fast: False runs the whole model under ``torch.vmap`` without batched kernels (the
+            reference path, for comparison).
+        mesh: None (default) for a one-process ensemble; a 1-D ``DeviceMesh`` spreads the
+            members over its ranks: the stacked tensors are ``DTensor`` s sharded on the member
+            dim, each rank stores and runs only its members, and ``forward`` returns outputs
+            sharded on the member dim (every rank passes all N models and keeps its own).
 
-    ``mesh=`` (a 1-D ``DeviceMesh``) spreads the members over its ranks: the stacked tensors are
-    ``DTensor`` s sharded on the member dim, each rank builds and runs only its members, and
-    ``from_factory`` builds member ``i`` under ``torch.manual_seed(i)`` (see
-    `MemberParallelEnsemble`).
+    Raises:
+        TypeError: an entry of ``modules`` is not an ``nn.Module``, a submodule's type differs,
+            or ``in_dims`` has the wrong type.
+        ValueError: no models, models that differ (the message names the first path where one
+            differs from the first model), an unknown ``randomness``, or a mesh that would
+            leave a rank without members.
 
-    >>> import torch, modstate as ms
-    >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Sequential(
-    ...     torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)), 5)
-    >>> ens(torch.randn(16, 3)).shape
-    torch.Size([5, 16, 1])
-    >>> opt = torch.optim.Adam(ens.parameters(), lr=1e-3)
-    >>> ens.member(2)  # an ordinary module with member 2's weights
-    Sequential(
-      (0): Linear(in_features=3, out_features=8, bias=True)
-      (1): ReLU()
-      (2): Linear(in_features=8, out_features=1, bias=True)
-    )
+    Example:
+        >>> import torch, modstate as ms
+        >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)), 5)
+        >>> ens(torch.randn(16, 3)).shape
+        torch.Size([5, 16, 1])
+        >>> opt = torch.optim.Adam(ens.parameters(), lr=1e-3)
+        >>> ens.member(2)  # an ordinary module with member 2's weights
+        Sequential(
+          (0): Linear(in_features=3, out_features=8, bias=True)
+          (1): ReLU()
+          (2): Linear(in_features=8, out_features=1, bias=True)
+        )
     """
 
-    def __new__(cls, *args: Any, mesh: Any = None, **kwargs: Any) -> Ensemble:
-        # mesh= (a 1-D DeviceMesh) makes the member-parallel form (ensemble/_sharded.py).
-        if mesh is not None and cls is Ensemble:
-            from ._sharded import MemberParallelEnsemble
-
-            cls = MemberParallelEnsemble
-        return super().__new__(cls)
+    count: int
+    stacked: nn.Module
+    local: Ensemble  # a member-parallel ensemble's computing part (this rank's members)
+    _template: nn.Module
+    _runners: ThreadRunners
+    _chain: Chain | None
+    _shards: MemberShards | None
 
     def __init__(
         self,
@@ -89,49 +108,151 @@ class Ensemble(nn.Module):
         in_dims: InDims = None,
         randomness: str = "error",
         fast: bool = True,
+        mesh: Any = None,
     ) -> None:
         super().__init__()
+        options = _options("Ensemble", compile, in_dims, randomness, fast)
         modules = list(modules)
-        if randomness not in _RANDOMNESS:
-            raise ValueError(f"randomness must be one of {_RANDOMNESS}, got {randomness!r}")
-        if in_dims is not None and not isinstance(in_dims, (int, tuple, list)):
-            raise TypeError(
-                f"in_dims must be None, an int or a tuple, got {type(in_dims).__name__}"
-            )
-        stacked = stack_modules(modules)
-        template = _private_copy(modules[0])
-        self.count = len(modules)
-        self._in_dims = in_dims
-        self._randomness = randomness
-        self.compiled = compile
-        self.fast = fast
+        if not modules:
+            raise ValueError("Ensemble: no models; give at least one")
+        if mesh is None:
+            stacked = stack_modules(modules)
+            self._own(private_copy(modules[0]), stacked, len(modules), options)
+            return
+        shards = MemberShards(mesh, len(modules), "Ensemble")
+        local = Ensemble([modules[i] for i in shards.here], **options)
+        self._shard(local, shards)
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory: Callable[[], nn.Module],
+        n: int,
+        *,
+        compile: bool = False,
+        in_dims: InDims = None,
+        randomness: str = "error",
+        fast: bool = True,
+        mesh: Any = None,
+    ) -> Ensemble:
+        """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
+
+        Member ``i`` is built under a seed made of one draw from the global random state and
+        ``i``: the global seed decides every member, two ensembles built in a row differ, and
+        member ``i`` is the same model with or without a mesh, on any number of ranks (a mesh
+        takes the draw of its first rank). The caller's random state advances by that one draw.
+        Each member is copied into the stacked tensors as soon as it is built and dropped, so
+        the memory needed stays near the stacked state's size, not twice it.
+
+        Args:
+            factory: builds one member (called ``n`` times, or once per member this rank holds
+                with a mesh).
+            n: the number of members.
+            compile: see [`Ensemble`][modstate.Ensemble].
+            in_dims: see [`Ensemble`][modstate.Ensemble].
+            randomness: see [`Ensemble`][modstate.Ensemble].
+            fast: see [`Ensemble`][modstate.Ensemble].
+            mesh: see [`Ensemble`][modstate.Ensemble]; every rank of the mesh calls
+                ``from_factory`` (a collective: the seed is the first rank's).
+
+        Returns:
+            The ensemble.
+
+        Raises:
+            ValueError: ``n`` is not a positive int, the factory's models differ (see
+                [`stack_modules`][modstate.stack_modules]), or the options are refused (see
+                [`Ensemble`][modstate.Ensemble]).
+            TypeError: the factory returned something that is not an ``nn.Module``.
+
+        Example:
+            >>> import torch, modstate as ms
+            >>> torch.manual_seed(0)  # decides every member
+            <torch._C.Generator object at ...>
+            >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Linear(4, 2), 8)
+            >>> ens.stacked.weight.shape
+            torch.Size([8, 2, 4])
+        """
+        caller = "Ensemble.from_factory"
+        options = _options(caller, compile, in_dims, randomness, fast)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
+        shards = None if mesh is None else MemberShards(mesh, n, caller)
+        base = draw_base_seed(None if mesh is None else mesh.get_group())
+        indices = range(n) if shards is None else shards.here
+        template, stacked = build_members(factory, [member_seed(base, i) for i in indices], caller)
+        local = cls._assembled(template, stacked, len(indices), options)
+        if shards is None:
+            return local
+        ensemble = cls._assembled(None, None, n, options)
+        ensemble._shard(local, shards)
+        return ensemble
+
+    @classmethod
+    def _assembled(
+        cls, template: nn.Module | None, stacked: Tree | None, count: int, options: dict
+    ) -> Ensemble:
+        """An ensemble built from a template (kept as it is) and its stacked tree, or an empty
+        shell for a member-parallel ensemble (``template`` None)."""
+        ensemble = cls.__new__(cls)
+        nn.Module.__init__(ensemble)
+        if template is not None and stacked is not None:
+            ensemble._own(template, stacked, count, options)
+        return ensemble
+
+    # -- building ----------------------------------------------------------------------------------
+
+    def _own(self, template: nn.Module, stacked: Tree, count: int, options: dict) -> None:
+        """Hold ``stacked`` as registered tensors, with ``template`` as the private model."""
+        self.count = count
+        self._in_dims = options["in_dims"]
+        self._randomness = options["randomness"]
+        self.compiled = options["compile"]
+        self.fast = options["fast"]
+        self._shards = None
         self.stacked = nn.Module()
-        _register_stacked(self.stacked, template, stacked)
+        register_stacked(self.stacked, template, stacked)
         # Kept out of the module registry on purpose: its tensors are a template, not state.
         self.__dict__["_template"] = template
         self.training = template.training
         self._bind()
 
+    def _shard(self, local: Ensemble, shards: MemberShards) -> None:
+        """Hold the members of ``shards`` as ``DTensor`` s computed by ``local``."""
+        self.count = shards.count
+        self._shards = shards
+        self.__dict__["local"] = local  # computes; its own tensors are placeholders
+        self.stacked = nn.Module()
+        shards.register(local.stacked, self.stacked)
+        self.training = local.training
+        # Tells the swap engine not to gather the DTensors: forward takes them as they are.
+        self._modstate_computes_with_dtensors = True
+
     def _bind(self) -> None:
-        """Build what forward needs (the steps, the tree reader); again after a copy or unpickling,
-        since the steps are closures over this ensemble's own tensor tables."""
+        """Build what forward needs (kernels, the chain or the runner, the tree reader); again
+        after a copy or unpickling, since kernels read this ensemble's own tensor tables."""
         template = self._template
-        self._context = PlanContext(self.count, self._randomness, _slots_of(template, self.stacked))
-        shares = self._in_dims is None
-        by_member = not shares and self._in_dims in (0, (0,), [0])
-        plan = compile_plan(template, self._context) if self.fast else None
-        self._plan = plan if shares or by_member else None
-        self._shared = shares
+        homes = homes_of(template, self.stacked)
+        context = KernelContext(self.count, self._randomness, homes)
+        by_member = self._in_dims in (0, (0,), [0])
+        chain = build_chain(template, context) if self.fast else None
+        self._chain = chain if self._in_dims is None or by_member else None
+        self._runners = ThreadRunners(
+            lambda: VmapRunner(template, homes, self.count, self._randomness, self.fast)
+        )
         flat = flatten(extract(template))
-        self._slots = [self._context.slot(t) for t in flat.values()]
+        self._tree_homes = [homes[id(t)] for t in flat.values()]
         self._layout = Layout(list(flat))
-        self._vmapped = vmap_runner(template, self._context, self._randomness)
         run: Callable[..., Any] = self._run
         self._forward_impl = torch.compile(run, dynamic=False) if self.compiled else run
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._shards is not None:
+            raise TypeError(
+                "Ensemble: a member-parallel ensemble holds a DeviceMesh and cannot be pickled or "
+                "deep-copied; save it with modstate.checkpoint.save_distributed"
+            )
         state = dict(super().__getstate__())
-        for name in ("_context", "_plan", "_slots", "_layout", "_vmapped", "_forward_impl"):
+        for name in ("_chain", "_runners", "_tree_homes", "_layout", "_forward_impl"):
             state.pop(name, None)
         return state
 
@@ -139,54 +260,91 @@ class Ensemble(nn.Module):
         super().__setstate__(state)
         self._bind()
 
-    @classmethod
-    def from_factory(cls, factory: Callable[[], nn.Module], n: int, **kwargs: Any) -> Ensemble:
-        """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
-
-        >>> import torch, modstate as ms
-        >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Linear(4, 2), 8)
-        >>> ens.stacked.weight.shape
-        torch.Size([8, 2, 4])
-        """
-        if kwargs.get("mesh") is not None and cls is Ensemble:
-            from ._sharded import MemberParallelEnsemble
-
-            return MemberParallelEnsemble.from_factory(factory, n, **kwargs)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
-        return cls([factory() for _ in range(n)], **kwargs)
-
     # -- running -----------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run every member on the inputs and return the stacked outputs.
+
+        Args:
+            *args: the model's positional inputs, shared by every member or split per member
+                as ``in_dims`` says.
+            **kwargs: the model's keyword inputs, shared by every member.
+
+        Returns:
+            What the model's ``forward`` returns, with a leading member dim on every tensor
+            (``DTensor`` s sharded on it for a member-parallel ensemble).
+
+        Raises:
+            ValueError: an input mapped by ``in_dims`` has another member count.
+            RuntimeError: a member drew random numbers and ``randomness="error"``.
+        """
+        if self._shards is not None:
+            return self._shards.forward(self.local, self.stacked, self.in_dims, args, kwargs)
         return self._forward_impl(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        plan = self._plan
-        if plan is not None and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
-            if not self._shared and (args[0].dim() == 0 or args[0].shape[0] != self.count):
-                got = args[0].shape[0] if args[0].dim() else "no"
+        chain = self._chain
+        if chain is not None and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            x = args[0]
+            shared = self._in_dims is None
+            if not shared and (x.dim() == 0 or x.shape[0] != self.count):
+                got = x.shape[0] if x.dim() else "no"
                 raise ValueError(
-                    f"input 0 has {got} members along dim 0 (in_dims), but the ensemble has "
-                    f"{self.count}: give one slice per member, or in_dims=None to share the input"
+                    f"Ensemble: input 0 has {got} members along dim 0 (in_dims=0), but the "
+                    f"ensemble has {self.count}; give one slice per member, or build the "
+                    "ensemble with in_dims=None to share the input"
                 )
-            return plan(args[0], self._shared)
-        return self._vmapped(args, kwargs, self._in_dims)
+            return chain(x, shared)
+        return self._runners.mine()(args, kwargs, self._in_dims)
 
     @property
     def in_dims(self) -> InDims:
         """How inputs map to members (fixed when the ensemble is built)."""
-        return self._in_dims
+        return self.local.in_dims if self._shards is not None else self._in_dims
 
     @property
     def randomness(self) -> str:
         """vmap's randomness mode for random layers (fixed when the ensemble is built)."""
-        return self._randomness
+        return self.local.randomness if self._shards is not None else self._randomness
+
+    @property
+    def plan(self) -> Plan:
+        """How ``forward`` runs the members: each layer with its route, and for a layer that
+        falls back to plain ``torch.vmap``, why (see `Plan`)."""
+        if self._shards is not None:
+            return self.local.plan
+        runner = self._runners.mine()
+        batched = sum(route.fallback is None for route in runner.routes)
+        fallbacks = len(runner.routes) - batched
+        if not self.fast:
+            summary = "the whole model under torch.vmap (fast=False, the reference path)"
+        elif self._chain is not None:
+            summary = (
+                "a Sequential of batched kernels run in sequence, without vmap (other calls "
+                "than one tensor run the model under torch.vmap)"
+            )
+        else:
+            summary = (
+                "the model's forward under torch.vmap, batched kernels where the layers have "
+                f"them ({fallbacks} of {len(runner.routes)} layers fall back)"
+            )
+        return Plan(summary, runner.routes, runner.notes())
+
+    @property
+    def members_here(self) -> range:
+        """The members this process holds and runs: all of them, or this rank's with a mesh."""
+        return self._shards.here if self._shards is not None else range(self.count)
 
     def tree(self) -> dict[str, Any]:
-        """The stacked state as a tree shaped like ``extract(model)``: the registered tensors
-        themselves (leading dim N), ties kept. Same as ``ms.extract(self.stacked)``."""
-        return self._layout.nest([table[name] for table, name in self._slots])
+        """The stacked state as a tree shaped like ``extract(model)``.
+
+        Returns:
+            The registered tensors themselves (leading dim N; ``DTensor`` s for a
+            member-parallel ensemble), ties kept: the same as ``ms.extract(self.stacked)``.
+        """
+        if self._shards is not None:
+            return extract(self.stacked)
+        return self._layout.nest([home.get() for home in self._tree_homes])
 
     # -- members -----------------------------------------------------------------------------------
 
@@ -194,11 +352,26 @@ class Ensemble(nn.Module):
         return self.count
 
     def member(self, i: int) -> nn.Module:
-        """Member ``i`` as an ordinary module: a copy of the model holding copies of member ``i``'s
-        tensors (parameters stay parameters, with their ``requires_grad``), independent of the
-        ensemble."""
+        """Member ``i`` as an ordinary module, independent of the ensemble.
+
+        Args:
+            i: the member's index (negative counts from the end).
+
+        Returns:
+            A copy of the model holding copies of member ``i``'s tensors (parameters stay
+            parameters, with their ``requires_grad``). For a member-parallel ensemble this is a
+            collective: every rank calls it and gets the member.
+
+        Raises:
+            IndexError: ``i`` is out of range.
+        """
         if not isinstance(i, int) or not -self.count <= i < self.count:
-            raise IndexError(f"member index {i!r} out of range for an ensemble of {self.count}")
+            raise IndexError(
+                f"Ensemble.member: index {i!r} is out of range for an ensemble of {self.count}; "
+                f"give 0 to {self.count - 1}"
+            )
+        if self._shards is not None:
+            return self._shards.member(self.stacked, self.local.member(0), i)
         copies: dict[int, Tensor] = {}
 
         def copy_of(tensor: Tensor) -> Tensor:
@@ -210,105 +383,68 @@ class Ensemble(nn.Module):
                 out = copies[id(tensor)] = piece
             return out
 
-        module = _private_copy(self._template)
-        swap(module, self._layout.nest([copy_of(table[name]) for table, name in self._slots]))
+        module = private_copy(self._template)
+        swap(module, self._layout.nest([copy_of(home.get()) for home in self._tree_homes]))
         return module
 
     def members(self) -> list[nn.Module]:
-        """Every member as an ordinary module (see `member`)."""
+        """Every member as an ordinary module (see `member`).
+
+        Returns:
+            ``[self.member(i) for i in range(len(self))]``.
+        """
         return [self.member(i) for i in range(self.count)]
 
     # -- keeping the template in step --------------------------------------------------------------
 
     def train(self, mode: bool = True) -> Ensemble:
+        """Set training mode on the ensemble and every member's layers (``nn.Module.train``).
+
+        Args:
+            mode: True for training mode, False for eval mode.
+
+        Returns:
+            The ensemble itself.
+        """
         super().train(mode)
-        self._template.train(mode)
+        if self._shards is not None:
+            self.local.train(mode)
+        else:
+            self._template.train(mode)
+            self._runners.train(mode)
         return self
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Ensemble:
         super()._apply(fn, recurse)
+        if self._shards is not None:
+            self.local._apply(fn, recurse)
+            return self
         # dtype and device of the template must follow the stacked tensors: call checks dtypes.
         self._template._apply(fn, recurse)
+        self._bind()  # buffers may be new objects: the runner shares the template's tensors
         return self
 
     def __repr__(self) -> str:
-        _, slow = layer_names(self._template, self._context) if self._plan is not None else ([], [])
-        if self._plan is None:
-            path = "vmap over the whole model"
-        elif slow:
-            path = f"batched kernels, vmap for {', '.join(dict.fromkeys(slow))}"
-        else:
-            path = "batched kernels"
-        model = repr(self._template).replace("\n", "\n  ")
+        if self._shards is not None:
+            local = repr(self.local).replace("\n", "\n  ")
+            return f"Ensemble(\n  {self._shards.describe()}\n  local={local}\n)"
         values = sum(t.numel() for t in self.stacked.parameters())
+        plan = "\n  ".join(self.plan.lines())
         return (
-            f"Ensemble(\n  members={self.count}, parameters={values:,} (stacked), path={path}"
-            f"{', compiled' if self.compiled else ''}\n  model={model}\n)"
+            f"Ensemble(\n  members={self.count}, parameters={values:,} (stacked)"
+            f"{', compiled' if self.compiled else ''}\n  plan: {plan}\n)"
         )
 
 
-def _private_copy(module: nn.Module) -> nn.Module:
-    """``copy.deepcopy(module)``, also for modules that keep a computed tensor in ``__dict__``
-    (legacy ``weight_norm`` / ``spectral_norm`` after a forward), which deepcopy refuses.
-
-    The copy has the original's flags whatever its ``__deepcopy__`` does (some re-run
-    ``__init__`` and come back in training mode, as torchvision's feature extractors do): every
-    submodule's ``training`` and every tensor's ``requires_grad`` are set from the original."""
-    memo: dict[int, Any] = {}
-    for owner in module.modules():
-        for value in vars(owner).values():
-            if isinstance(value, Tensor) and not value.is_leaf:
-                memo[id(value)] = value.detach().clone()
-    copied = copy.deepcopy(module, memo)
-    originals = dict(module.named_modules(remove_duplicate=False))
-    for path, owner in copied.named_modules(remove_duplicate=False):
-        if path in originals:
-            owner.training = originals[path].training
-    flags = {name: p.requires_grad for name, p in module.named_parameters(remove_duplicate=False)}
-    for name, parameter in copied.named_parameters(remove_duplicate=False):
-        wanted = flags.get(name)
-        if wanted is not None and parameter.requires_grad != wanted:
-            parameter.requires_grad_(wanted)
-    return copied
-
-
-def _register_stacked(root: nn.Module, template: nn.Module, stacked: dict[str, Any]) -> None:
-    """Register the stacked tensors on a mirror of the template's module tree, as parameters
-    where the template has parameters and as (non-)persistent buffers where it has buffers."""
-    owners = {"": root}
-    registered: dict[int, Tensor] = {}
-    for path, value in flatten(stacked).items():
-        prefix, _, name = path.rpartition(".")
-        owner = owners.get(prefix)
-        if owner is None:
-            owner = _mirror(owners, prefix)
-        original = slot_at(template, path)
-        tensor = registered.get(id(value))
-        if not original.is_buffer:
-            if tensor is None:
-                tensor = nn.Parameter(value, requires_grad=value.requires_grad)
-            owner.register_parameter(name, tensor)
-        else:
-            if tensor is None:
-                tensor = value
-            owner.register_buffer(name, tensor, persistent=original.persistent)
-        registered[id(value)] = tensor
-
-
-def _mirror(owners: dict[str, nn.Module], prefix: str) -> nn.Module:
-    parent_prefix, _, name = prefix.rpartition(".")
-    parent = owners.get(parent_prefix)
-    if parent is None:
-        parent = _mirror(owners, parent_prefix)
-    owner = owners[prefix] = nn.Module()
-    parent.add_module(name, owner)
-    return owner
-
-
-def _slots_of(template: nn.Module, root: nn.Module) -> dict[int, Slot]:
-    """Where the stacked form of each of the template's tensors lives (its first path)."""
-    slot_of: dict[int, Slot] = {}
-    for path, tensor in flatten(extract(template)).items():
-        slot = slot_at(root, path)
-        slot_of.setdefault(id(tensor), (slot.table, slot.name))
-    return slot_of
+def _options(
+    caller: str, compile: bool, in_dims: InDims, randomness: str, fast: bool
+) -> dict[str, Any]:
+    if randomness not in RANDOMNESS:
+        raise ValueError(
+            f"{caller}: randomness={randomness!r}; use one of {', '.join(map(repr, RANDOMNESS))}"
+        )
+    if in_dims is not None and not isinstance(in_dims, (int, tuple, list)):
+        raise TypeError(
+            f"{caller}: in_dims is a {type(in_dims).__name__}; give None, an int or a tuple"
+        )
+    return {"compile": compile, "in_dims": in_dims, "randomness": randomness, "fast": fast}

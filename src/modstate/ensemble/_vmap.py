@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeAlias, TypeVar
 
 import optree
 import torch
@@ -16,7 +19,15 @@ from modstate._core.flat import Layout, flatten, unflatten
 from modstate._core.torch_facts import write_back
 from modstate._core.types import Tree
 
-InDims = int | None | tuple[Any, ...] | list[Any]
+from ._functorch import as_member_view, maybe_current_level
+
+InDims: TypeAlias = int | tuple[Any, ...] | list[Any] | None
+"""How inputs map to members, as ``torch.vmap``'s ``in_dims`` for the positional inputs: None
+shares an input, an int names its member dim, a tuple gives one entry per input."""
+
+RANDOMNESS = ("error", "different", "same")
+
+T = TypeVar("T")
 
 
 def vmap_call(
@@ -32,63 +43,70 @@ def vmap_call(
     """Run ``module`` once per member of ``stacked`` and return the stacked outputs (dim 0).
 
     In essence ``torch.vmap(lambda tree, *a: ms.call(module, tree, *a, **kwargs), in_dims=(0,
-    *in_dims))(stacked, *args)``. ``in_dims=None``: every member sees the same inputs;
-    ``in_dims=0``: each positional input has one slice per member along dim 0; a tuple gives one
-    entry per positional input, as in ``torch.vmap`` (``None`` shares that input). Keyword
-    arguments are shared by every member. ``randomness`` (``"error"``, ``"different"``,
-    ``"same"``) and ``chunk_size`` are ``torch.vmap``'s. One rule for ``vmap_call`` and
-    ``Ensemble``: the default is torch.vmap's ``"error"`` (a random op in a member, such as
-    dropout in training mode, is refused); ``"different"`` draws independently for every member,
-    as a loop over the models would, ``"same"`` draws once for all.
+    *in_dims))(stacked, *args)``. The tree is checked before anything runs. In-place updates in
+    ``forward`` land in the stacked tensors (BatchNorm's running statistics, one per member); a
+    buffer that ``forward`` reassigns is written back into ``stacked``, stacked. Tied tensors
+    stay tied (the stacked tree holds one tensor at both paths). The module is left exactly as it
+    was: same objects, same ``requires_grad``. For a module that owns its stacked state and runs
+    the layers' batched kernels, see [`modstate.Ensemble`][modstate.Ensemble].
 
-    The tree is checked before anything runs: every leaf must be the module's tensor with one
-    leading member dim, and every input mapped by ``in_dims`` must have as many members; errors
-    name the leaf or the input and both counts, and an unstacked tree is recognized as such.
+    Args:
+        module: the model whose ``forward`` runs; its own tensors are not used.
+        stacked: a tree shaped like ``ms.extract(module)`` whose leaves have one leading member
+            dim, as [`stack`][modstate.stack] and [`stack_modules`][modstate.stack_modules]
+            make.
+        *args: positional inputs of ``forward``.
+        in_dims: how positional inputs map to members. None (default): every member sees the
+            same inputs; 0: each input holds one slice per member along dim 0; a tuple: one entry
+            per positional input, as in ``torch.vmap`` (None shares that input).
+        randomness: ``torch.vmap``'s. ``"error"`` (default, as ``torch.vmap``) refuses random
+            ops (dropout in training mode); ``"different"`` draws independently for every member,
+            as a loop over the models would; ``"same"`` draws once for all.
+        chunk_size: ``torch.vmap``'s: run this many members at a time (less memory).
+        **kwargs: keyword inputs of ``forward``, shared by every member.
 
-    In-place updates in ``forward`` land in the stacked tensors (BatchNorm's running statistics,
-    one per member); a buffer that ``forward`` reassigns is written back into ``stacked``, stacked.
-    Tied tensors stay tied (the stacked tree holds one tensor at both paths). The module is left
-    exactly as it was: same objects, same ``requires_grad``.
+    Returns:
+        What ``forward`` returns, with a leading member dim on every tensor.
 
-    >>> import torch, modstate as ms
-    >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
-    >>> stacked = ms.stack_modules(models)
-    >>> ms.vmap_call(models[0], stacked, torch.randn(10, 3)).shape
-    torch.Size([4, 10, 2])
+    Raises:
+        TypeError: ``stacked`` is not a dict.
+        ValueError: a leaf is not the module's tensor with one leading member dim (an unstacked
+            tree is named as such), leaves or inputs disagree on the member count, or
+            ``in_dims`` has the wrong length; the message names the leaf or input.
+        RuntimeError: a member drew random numbers with ``randomness="error"``.
+
+    Example:
+        >>> import torch, modstate as ms
+        >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> stacked = ms.stack_modules(models)
+        >>> ms.vmap_call(models[0], stacked, torch.randn(10, 3)).shape
+        torch.Size([4, 10, 2])
     """
-    return batched_call(module, stacked, args, kwargs, in_dims, randomness, chunk_size)
-
-
-def batched_call(
-    module: nn.Module,
-    stacked: Tree,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    in_dims: InDims,
-    randomness: str,
-    chunk_size: int | None,
-) -> Any:
-    """[`vmap_call`][modstate.vmap_call] with its arguments gathered."""
     if not isinstance(stacked, dict):
         raise TypeError(
-            f"expected a stacked tree (a dict of tensors), got {type(stacked).__name__}"
+            f"vmap_call: the stacked tree is a {type(stacked).__name__}; give a dict of "
+            "tensors with a leading member dim, such as ms.stack_modules(models)"
+        )
+    if randomness not in RANDOMNESS:
+        raise ValueError(
+            f"vmap_call: randomness={randomness!r}; use one of {', '.join(map(repr, RANDOMNESS))}"
         )
     flat = flatten(stacked)
     _check_stacked(module, flat)
-    structure = Structure(list(flat), list(flat.values()), buffer_paths(module))
-    out, reassigned = structure.run(
+    plan = StackedCall(list(flat), list(flat.values()), buffer_paths(module), "vmap_call")
+    out, reassigned = plan.run(
         module,
         # A stacked tree of DTensors (a sharded module's trees, stacked) goes in as it is: the
         # call gathers each FSDP unit's members when the unit runs.
-        structure.distinct(list(flat.values())),
+        plan.distinct(list(flat.values())),
         args,
         kwargs,
         in_dims,
         randomness,
-        chunk_size,
+        chunk_size=chunk_size,
     )
     if reassigned:
-        write_back(stacked, unflatten({structure.paths[i]: v for i, v in reassigned.items()}))
+        write_back(stacked, unflatten({plan.paths[i]: v for i, v in reassigned.items()}))
     return out
 
 
@@ -101,18 +119,21 @@ _RANDOMNESS_FIX = (
 )
 
 
-class Structure:
-    """A stacked tree's structure, compiled once: its distinct tensors (a tensor held at several
-    paths, a tie, counts once) and how to nest them into a tree again.
+class StackedCall:
+    """A module called for every member of a stacked tree under ``torch.vmap``, prepared once
+    for the tree's paths: its distinct tensors (a tensor held at several paths, a tie, counts
+    once) and how to nest them into a tree again inside the vmapped function.
 
     ``torch.vmap`` wraps every leaf it is given separately, so one tensor at two paths would come
     out as two tensors and the tie would be lost; passing each tensor once and nesting inside the
-    vmapped function keeps it. Lists are in optree's leaf order of the tree (sorted keys)."""
+    vmapped function keeps it. Lists are in optree's leaf order of the tree (sorted keys).
+    ``caller`` names the public function in error messages."""
 
-    __slots__ = ("buffers", "constants", "paths", "sources", "treespec", "where")
+    __slots__ = ("buffers", "caller", "constants", "paths", "sources", "treespec", "where")
 
-    def __init__(self, paths: list[str], values: list[Any], buffers: set[str]) -> None:
+    def __init__(self, paths: list[str], values: list[Any], buffers: set[str], caller: str) -> None:
         layout = _layout(tuple(paths))
+        self.caller = caller
         self.treespec = layout.treespec
         self.paths = [paths[j] for j in layout.order]
         self.constants = [values[j] for j in layout.order]
@@ -132,7 +153,7 @@ class Structure:
             (k, path.split(".")) for k, path in enumerate(self.paths) if path in buffers
         ]
 
-    def distinct(self, values: list[Any]) -> list[Tensor]:
+    def distinct(self, values: list[T]) -> list[T]:
         """The distinct tensors, from leaf values listed in the original path order."""
         return [values[j] for j in self.sources]
 
@@ -144,32 +165,50 @@ class Structure:
         kwargs: dict[str, Any],
         in_dims: InDims,
         randomness: str,
-        chunk_size: int | None,
+        *,
+        chunk_size: int | None = None,
         count: int | None = None,
+        inside: Callable[[], AbstractContextManager[Any]] | None = None,
+        views_inside: bool = False,
     ) -> tuple[Any, dict[int, Tensor]]:
         """Run every member; return the stacked outputs and the buffers ``forward`` reassigned,
         stacked, keyed by their index in ``paths``. ``count``, the number of members, is needed
-        only when neither the tree nor the inputs are batched (a module without state)."""
+        only when neither the tree nor the inputs are batched (a module without state).
+        ``inside()`` is entered inside the vmapped function, around the call. ``views_inside``
+        makes the members' views of the stacked tensors inside the vmapped function, as vmap
+        would, instead of handing vmap every tensor (whose input handling costs per tensor)."""
         where, constants, treespec, buffers = (
             self.where,
             self.constants,
             self.treespec,
             self.buffers,
         )
-        arg_dims = _argument_dims(in_dims, len(args))
+        arg_dims = _argument_dims(in_dims, len(args), self.caller)
         self.check_counts(distinct, args, arg_dims, count)
         if not distinct and all(d is None for d in arg_dims):
             if count is None:
                 raise ValueError(
-                    "the stacked tree holds no tensors and every input is shared: nothing says "
-                    "how many members there are"
+                    f"{self.caller}: the stacked tree holds no tensors and every input is shared, "
+                    "so nothing says how many members there are; give per-member inputs "
+                    "(in_dims=0) or a stacked tree with tensors"
                 )
             distinct = [torch.empty(count, 0)]  # only carries the member count into vmap
+        enter = inside or contextlib.nullcontext
+        carried = distinct
+        if views_inside:
+            # One member count carrier through vmap's input handling (which costs per tensor);
+            # the member views of the stacked tensors are made inside, as vmap would make them.
+            carried = [torch.empty(len(distinct[0]) if distinct else count or 0, 0)]
 
         def member(leaves: list[Tensor], *member_args: Any) -> tuple[Any, dict[int, Tensor]]:
+            if views_inside:
+                level = maybe_current_level()
+                assert level is not None  # inside torch.vmap
+                leaves = [as_member_view(t, 0, level) for t in distinct]
             values = [c if i is None else leaves[i] for i, c in zip(where, constants)]
-            tree = optree.tree_unflatten(treespec, values)
-            out = call(module, tree, *member_args, **kwargs)
+            tree: Tree = optree.tree_unflatten(treespec, values)  # type: ignore[assignment]
+            with enter():
+                out = call(module, tree, *member_args, **kwargs)
             reassigned = {}
             for k, keys in buffers:
                 now = _leaf_at(tree, keys)
@@ -178,9 +217,9 @@ class Structure:
             return out, reassigned
 
         try:
-            return torch.vmap(
+            return torch.vmap(  # type: ignore[no-any-return]
                 member, in_dims=(0, *arg_dims), randomness=randomness, chunk_size=chunk_size
-            )(distinct, *args)
+            )(carried, *args)
         except RuntimeError as error:
             if "randomness error mode" in str(error):
                 error.add_note(_RANDOMNESS_FIX)
@@ -207,8 +246,8 @@ class Structure:
                     f"{first_path!r} has {count}" if first_path else f"the ensemble has {count}"
                 )
                 raise ValueError(
-                    f"{path!r} has {members} members along dim 0, {against}: every leaf of a "
-                    "stacked tree needs the same leading member dim"
+                    f"{self.caller}: {path!r}: {members} members along dim 0, {against}; every "
+                    "leaf of a stacked tree needs the same leading member dim"
                 )
         if count is None:
             return
@@ -221,9 +260,9 @@ class Structure:
                 if leaf.shape[dim] != count:
                     source = f"(as {first_path!r} has)" if first_path else "(the ensemble's)"
                     raise ValueError(
-                        f"input {position} has {leaf.shape[dim]} members along dim {dim} "
-                        f"(in_dims), but there are {count} members {source}: give one slice "
-                        "per member, or in_dims=None to share the input"
+                        f"{self.caller}: input {position} has {leaf.shape[dim]} members along dim "
+                        f"{dim} (in_dims), but there are {count} members {source}; give one "
+                        "slice per member, or in_dims=None to share the input"
                     )
 
 
@@ -244,21 +283,23 @@ def _check_stacked(module: nn.Module, flat: dict[str, Any]) -> None:
     if all(leaf.shape == mine.shape for _, leaf, mine in wrong):
         path, leaf, _ = wrong[0]
         raise ValueError(
-            f"the tree is not stacked: {path!r} has shape {tuple(leaf.shape)}, the module's own "
-            "shape, where vmap_call needs a leading member dim; stack trees with "
+            f"vmap_call: {path!r}: shape {tuple(leaf.shape)} is the module's own shape, so the "
+            "tree is not stacked (vmap_call needs a leading member dim); stack trees with "
             "ms.stack([tree, ...]) or models with ms.stack_modules(models)"
         )
     path, leaf, mine = wrong[0]
     raise ValueError(
-        f"{path!r}: shape {tuple(leaf.shape)} in the stacked tree, so each member holds "
-        f"{tuple(leaf.shape[1:])}, but the module holds {tuple(mine.shape)} there"
+        f"vmap_call: {path!r}: shape {tuple(leaf.shape)} in the stacked tree, so each member "
+        f"holds {tuple(leaf.shape[1:])}, but the module holds {tuple(mine.shape)} there; stack "
+        "trees extracted from this module"
     )
 
 
 def _leaf_at(tree: Tree, keys: list[str]) -> Any:
+    node: Any = tree
     for key in keys:
-        tree = tree[key]
-    return tree
+        node = node[key]
+    return node
 
 
 @functools.lru_cache(maxsize=64)
@@ -266,14 +307,16 @@ def _layout(paths: tuple[str, ...]) -> Layout:
     return Layout(list(paths))
 
 
-def _argument_dims(in_dims: InDims, count: int) -> tuple[Any, ...]:
+def _argument_dims(in_dims: InDims, count: int, caller: str) -> tuple[Any, ...]:
     if in_dims is None or isinstance(in_dims, int):
         return (in_dims,) * count
     if isinstance(in_dims, (tuple, list)):
         if len(in_dims) != count:
             raise ValueError(
-                f"in_dims has {len(in_dims)} entries for {count} positional inputs; give one per "
-                "input (None shares it across members)"
+                f"{caller}: in_dims has {len(in_dims)} entries for {count} positional inputs; "
+                "give one per input (None shares it across members)"
             )
         return tuple(in_dims)
-    raise TypeError(f"in_dims must be None, an int or a tuple, got {type(in_dims).__name__}")
+    raise TypeError(
+        f"{caller}: in_dims is a {type(in_dims).__name__}; give None, an int or a tuple"
+    )

@@ -1,0 +1,106 @@
+"""What every batched kernel is made of: where the stacked tensors live, and the kernel contract.
+
+A kernel is built once per layer of the template, from the layer and a `KernelContext`,
+and then called as ``kernel(x, bdim)`` on plain tensors: ``x`` holds every member's input along
+dim ``bdim`` (or is the same input for every member when ``bdim`` is None), and the kernel returns
+``(out, out_bdim)`` with every member's output along ``out_bdim``, or None when this call's input
+has no batched form here (the caller then runs the layer's own ``forward`` under vmap). Kernels
+keep no tensors: they read the stacked tensors from their `Home` at every call, so
+``.to()``, ``load_state_dict`` and a stateless call on the ensemble are seen at once.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor, nn
+
+
+class Home:
+    """Where one stacked tensor lives: ``table[name]``, ``table`` being an owner's
+    ``_parameters`` or ``_buffers`` in the ensemble's ``stacked`` mirror."""
+
+    __slots__ = ("name", "table")
+
+    def __init__(self, table: dict[str, Tensor | None], name: str) -> None:
+        self.table = table
+        self.name = name
+
+    def get(self) -> Tensor:
+        tensor = self.table[self.name]
+        assert tensor is not None
+        return tensor
+
+
+class KernelContext:
+    """What building a kernel needs: the member count, vmap's randomness mode, and the home of
+    the stacked form of each of the template's tensors (by the template tensor's ``id``)."""
+
+    def __init__(self, count: int, randomness: str, homes: dict[int, Home]) -> None:
+        self.count = count
+        self.randomness = randomness
+        self._homes = homes
+
+    def home(self, tensor: Tensor | nn.Module | None) -> Home:
+        """The home of the stacked form of the template's ``tensor``.
+
+        Raises:
+            NotStacked: ``tensor`` is none of the template's parameters and buffers (a weight
+                that a hook computes, as legacy ``weight_norm`` and ``spectral_norm`` do).
+        """
+        home = self._homes.get(id(tensor))
+        if home is None:
+            raise NotStacked(tensor)
+        return home
+
+    def maybe_home(self, tensor: Tensor | nn.Module | None) -> Home | None:
+        """`home`, or None when the layer holds None there (a Linear without bias)."""
+        return None if tensor is None else self.home(tensor)
+
+
+class NotStacked(LookupError):
+    """A kernel was to read a tensor that is none of the layer's parameters and buffers."""
+
+
+class Kernel(Protocol):
+    """A layer's batched form (see the module docstring)."""
+
+    route: str
+    """What the plan shows for this layer: the batched computation it runs."""
+
+    fresh: bool
+    """Whether the output is a new tensor that the kernel's backward does not keep, so that an
+    activation right after it may work in place (used by the chain of a ``Sequential``)."""
+
+    def __call__(self, x: Tensor, bdim: int | None) -> tuple[Tensor, int] | None: ...
+
+
+class NoKernel:
+    """A layer whose type has a kernel, but not with these settings; ``reason`` says why (the
+    plan shows it)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"NoKernel({self.reason!r})"
+
+
+def member_front(x: Tensor, bdim: int | None, count: int) -> Tensor:
+    """``x`` with its member dim first: moved there, or made by expanding a shared input."""
+    if bdim is None:
+        return x.expand(count, *x.shape)
+    return x if bdim == 0 else x.movedim(bdim, 0)
+
+
+def channels_side_by_side(x: Tensor, bdim: int | None, count: int) -> Tensor:
+    """``(batch, members * channels, ...)``: every member's channels next to each other, the
+    layout of a grouped convolution with one group per member. Free when ``x`` comes from one
+    (member dim 1 of ``(batch, members, channels, ...)``), one copy otherwise."""
+    if bdim is None:
+        x = x.unsqueeze(1).expand(x.shape[0], count, *x.shape[1:])
+    elif bdim != 1:
+        x = x.movedim(bdim, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])

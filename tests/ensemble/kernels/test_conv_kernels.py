@@ -1,0 +1,56 @@
+"""Convolutions as one grouped convolution (``_kernels/conv.py``): every setting of
+``nn.Conv1d/2d/3d``, shared and per-member inputs, inside a residual block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from loop_reference import assert_like_the_loop
+from torch import nn
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return self.pool(torch.relu(x + self.bn2(self.conv2(out))))
+
+
+CONVOLUTIONS = {
+    "conv1d_same": (lambda: nn.Conv1d(2, 4, 3, padding="same"), (2, 2, 9)),
+    "conv2d_grouped_strided": (lambda: nn.Conv2d(4, 6, 3, stride=2, groups=2), (2, 4, 9, 9)),
+    "conv2d_no_bias_dilated": (lambda: nn.Conv2d(3, 2, 2, bias=False, dilation=2), (1, 3, 7, 7)),
+    "conv2d_unbatched_input": (lambda: nn.Conv2d(3, 2, 3), (3, 6, 6)),
+    "conv3d": (lambda: nn.Conv3d(2, 2, 2), (1, 2, 4, 4, 4)),
+    "conv2d_reflect": (lambda: nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), (1, 2, 5, 5)),
+    "conv2d_circular_same": (
+        lambda: nn.Conv2d(2, 3, 3, padding="same", padding_mode="circular"),
+        (2, 2, 5, 5),
+    ),
+    "conv1d_replicate": (
+        lambda: nn.Conv1d(2, 2, 4, padding=2, padding_mode="replicate"),
+        (2, 2, 7),
+    ),
+    "residual_block": (ResidualBlock, (2, 4, 6, 6)),
+    "stem_then_grouped": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2)),
+        (2, 3, 8, 8),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CONVOLUTIONS)
+@pytest.mark.parametrize("in_dims", [None, 0])
+def test_convolutions_equal_the_members_one_by_one(case, in_dims):
+    factory, shape = CONVOLUTIONS[case]
+    lead = () if in_dims is None else (3,)
+    ensemble = assert_like_the_loop(factory, lambda: (torch.randn(*lead, *shape),), in_dims=in_dims)
+    convolutions = [r for r in ensemble.plan.routes if r.layer.startswith("Conv")]
+    assert convolutions and all(r.how == "grouped convolution" for r in convolutions)

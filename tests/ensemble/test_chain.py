@@ -1,0 +1,189 @@
+"""A plain ``Sequential`` of layers with kernels runs them in sequence without vmap
+(``ensemble/_chain.py``): the same outputs, gradients and statistics as the loop and as the whole
+model under vmap (``fast=False``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import modstate as ms
+
+from zoo import assert_unchanged, snapshot
+
+ATOL = 1e-5
+
+
+def seeded(factory, n, seed=0):
+    torch.manual_seed(seed)
+    return [factory() for _ in range(n)]
+
+
+def loop(models, x, in_dims=None):
+    return torch.stack([m(x if in_dims is None else x[i]) for i, m in enumerate(models)])
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 2),
+    )
+
+
+def encoder_layer():
+    return nn.TransformerEncoderLayer(8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+
+
+LAYERS = {
+    "linear": (lambda: nn.Linear(5, 3), (4, 5)),
+    "linear_no_bias_3d_input": (lambda: nn.Linear(5, 3, bias=False), (2, 4, 5)),
+    "linear_unbatched_input": (lambda: nn.Linear(5, 3), (5,)),
+    "conv1d": (lambda: nn.Conv1d(2, 4, 3, padding="same"), (2, 2, 9)),
+    "conv2d_grouped_strided": (lambda: nn.Conv2d(4, 6, 3, stride=2, groups=2), (2, 4, 9, 9)),
+    "conv2d_no_bias": (lambda: nn.Conv2d(3, 2, 2, bias=False, dilation=2), (1, 3, 7, 7)),
+    "conv2d_unbatched_input": (lambda: nn.Conv2d(3, 2, 3), (3, 6, 6)),
+    "conv3d": (lambda: nn.Conv3d(2, 2, 2), (1, 2, 4, 4, 4)),
+    "conv2d_reflect_padding": (
+        lambda: nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"),
+        (1, 2, 5, 5),
+    ),
+    "layer_norm": (lambda: nn.LayerNorm(6), (3, 6)),
+    "layer_norm_2d_no_bias": (lambda: nn.LayerNorm((2, 6), bias=False), (3, 2, 6)),
+    "layer_norm_no_affine": (
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6, elementwise_affine=False)),
+        (3, 6),
+    ),
+    "activations": (
+        lambda: nn.Sequential(
+            nn.Linear(4, 8),
+            nn.ReLU(),
+            nn.Linear(8, 8),
+            nn.GELU(),
+            nn.Tanh(),
+            nn.Sigmoid(),
+            nn.SiLU(),
+            nn.LeakyReLU(0.3),
+            nn.ELU(),
+            nn.Softplus(),
+            nn.Identity(),
+            nn.Dropout(0.5),
+            nn.Linear(8, 2),
+        ),
+        (3, 4),
+    ),
+    "activations_in_place_after_linear": (
+        lambda: nn.Sequential(
+            nn.Linear(4, 8),
+            nn.Tanh(),
+            nn.Linear(8, 8),
+            nn.Sigmoid(),
+            nn.ReLU(),
+            nn.Linear(8, 8),
+            nn.ReLU(),
+            nn.Tanh(),
+            nn.Linear(8, 2),
+        ),
+        (3, 4),
+    ),
+    "convolutions_with_activations": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 2, 3), nn.Sigmoid()),
+        (2, 2, 7, 7),
+    ),
+    "flatten_then_linear": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(6, 2)), (4, 2, 3)),
+    "nested_sequential_with_fallback": (
+        lambda: nn.Sequential(
+            nn.Linear(4, 6), nn.Sequential(nn.BatchNorm1d(6), nn.ReLU()), nn.Linear(6, 1)
+        ),
+        (5, 4),
+    ),
+    "stateless_unknown_layer": (lambda: nn.Sequential(nn.Linear(4, 6), nn.Softmax(dim=-1)), (5, 4)),
+    "cnn_with_batchnorm": (cnn, (2, 3, 8, 8)),
+}
+TRAINING = {"cnn_with_batchnorm"}
+NOT_CHAINED = {"stateless_unknown_layer"}  # Softmax has no step: the model runs under vmap
+
+
+def grads_of(ensemble):
+    return {name: p.grad.clone() for name, p in ensemble.named_parameters()}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("in_dims", [None, 0])
+def test_ensemble_equals_the_loop_and_the_vmap_path_with_the_same_gradients(layer, in_dims):
+    factory, shape = LAYERS[layer]
+    models = [m.train(layer in TRAINING) for m in seeded(factory, 3)]
+    before = [snapshot(m) for m in models]
+    fast = ms.Ensemble(models, in_dims=in_dims)
+    reference = ms.Ensemble(models, in_dims=in_dims, fast=False)
+    torch.manual_seed(1)
+    x = torch.randn(*shape) if in_dims is None else torch.randn(3, *shape)
+    out = fast(x)
+    copies = [copy.deepcopy(m) for m in models]  # the loop updates BatchNorm statistics
+    torch.testing.assert_close(out, loop(copies, x, in_dims), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, reference(x), atol=ATOL, rtol=0)
+
+    weights = torch.randn_like(out)
+    (fast(x) * weights).sum().backward()
+    (reference(x) * weights).sum().backward()
+    fast_grads, reference_grads = grads_of(fast), grads_of(reference)
+    assert fast_grads.keys() == reference_grads.keys()
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], atol=ATOL, rtol=0, msg=name)
+    for name, buffer in fast.named_buffers():
+        torch.testing.assert_close(buffer, reference.get_buffer(name), msg=name)
+    for model, then in zip(models, before):
+        assert_unchanged(model, then)
+    summary = fast.plan.summary
+    assert ("without vmap" in summary) == (layer not in NOT_CHAINED), summary
+
+
+def test_ensemble_batchnorm_statistics_update_per_member():
+    models = seeded(cnn, 3)  # training mode
+    ensemble = ms.Ensemble(models, in_dims=0)
+    x = torch.randn(3, 4, 3, 8, 8)
+    out = ensemble(x)
+    torch.testing.assert_close(out, loop(models, x, in_dims=0), atol=ATOL, rtol=0)
+    batchnorm = ensemble.stacked.get_submodule("1")
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(
+            getattr(batchnorm, name), torch.stack([getattr(m[1], name) for m in models])
+        )
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_dropout_masks_follow_randomness(fast):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5))
+    models = [model, copy.deepcopy(model), copy.deepcopy(model)]
+    x = torch.ones(6)
+    reference = loop([m.eval() for m in models], x)
+    for m in models:
+        m.train()
+    out = ms.Ensemble(models, randomness="different", fast=fast)(x)
+    assert not torch.equal(out[0] == 0, out[1] == 0)
+    same = ms.Ensemble(models, randomness="same", fast=fast)(x)
+    assert torch.equal(same[0], same[2])
+    refuses = ms.Ensemble(models, fast=fast)  # the default, as vmap_call's: "error"
+    assert refuses.randomness == "error"
+    with pytest.raises(RuntimeError, match="randomness"):
+        refuses(x)
+    refuses.eval()  # no randomness in eval mode
+    torch.testing.assert_close(refuses(x), reference, atol=ATOL, rtol=0)
+
+
+def test_a_sequential_with_hooks_runs_under_vmap_so_the_hooks_run():
+    models = seeded(lambda: nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.Linear(16, 3)), 2)
+    calls = []
+    models[0][0].register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    ensemble = ms.Ensemble(models)
+    assert "without vmap" not in ensemble.plan.summary
+    out = ensemble(torch.randn(3, 5))
+    assert calls and calls[-1] == (3, 16)  # each member's view: the hook sees one model
+    torch.testing.assert_close(out, loop(models, torch.randn(3, 5)) * 0 + out)
