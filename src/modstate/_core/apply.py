@@ -236,10 +236,10 @@ def _collect(
         elif path not in copies:
             out[key] = now
         else:
-            copy, version = copies[path]
+            copy, copied_at = copies[path]
             if now is not copy:  # forward reassigned the buffer; call wrote it back into work
                 out[key] = now
-            elif compiling or path in updated_by_kernel or version(copy) != version:
+            elif compiling or path in updated_by_kernel or version(copy) != copied_at:
                 out[key] = copy
             else:
                 out[key] = original

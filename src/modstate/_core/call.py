@@ -62,7 +62,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=True)
     try:
-        swap = prepare(module, tree, True, compute=True)
+        swap = prepare(module, tree, True, compute=True, private=True)
     except MissingPaths as error:
         raise MissingPaths(error.paths, _CALL_FIX) from None
     swap.apply()
@@ -94,7 +94,7 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     """
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=False)
-    swap = prepare(module, tree, False, compute=True)
+    swap = prepare(module, tree, False, compute=True, private=True)
     swap.apply()
     try:
         return module(*args, **kwargs)
@@ -119,6 +119,6 @@ def call_while_compiling(
     )
     for component, flat, before in zip(components, flats, given):
         changed = {key: value for key, value in flat.items() if value is not before[key]}
-        if changed:
+        if changed and isinstance(component, dict):
             write_back(component, unflatten(changed))
     return out
