@@ -127,6 +127,10 @@ def test_while_another_thread_is_inside_a_call_this_one_sees_the_modules_own():
         assert torch.equal(m(X), expected)
         assert torch.equal(pickle.loads(pickle.dumps(m))(X), expected)
         assert torch.equal(copy.deepcopy(m)(X), expected)
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer, weights_only=False)(X), expected)
     assert torch.equal(result["out"], expected_call)
 
 
@@ -239,3 +243,17 @@ def test_torch_compile_of_a_called_module_even_while_another_thread_is_inside_a_
             assert torch.allclose(compiled(X), expected)
     traced = torch.compile(lambda t, x: ms.call(m, t, x), fullgraph=True)
     assert torch.allclose(traced(tree, X), ms.call(m, tree, X))
+
+
+class Tracked(dict):
+    """A dict subclass another library might put in ``_parameters``."""
+
+
+def test_a_table_of_another_dict_type_is_left_alone_and_calls_swap_for_everyone():
+    m = nn.Linear(3, 2)
+    m.__dict__["_parameters"] = Tracked(m._parameters)
+    tree = other_tree(m)
+    out = ms.call(m, tree, X)
+    assert type(m._parameters) is Tracked
+    assert torch.equal(out, X @ tree["weight"].T + tree["bias"])
+    assert m.weight is own(m)["weight"] and not torch.equal(m.weight, tree["weight"])

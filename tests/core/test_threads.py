@@ -21,6 +21,16 @@ THREADS = 4
 CALLS = 200
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread_per_calling_thread():
+    """As a server would run (and fast on a machine with few cores): calling threads are the
+    parallelism, torch's intra-op pool is one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def run_together(work: Callable[[int], int], threads: int = THREADS) -> list[int]:
     """Run ``work(i)`` in ``threads`` threads started at once; return what each returned (its
     count of wrong results), re-raising the first exception a thread met."""
@@ -153,20 +163,21 @@ def test_in_place_statistics_land_in_each_calls_tree():
     objects = own_objects(model)
     trees = [ms.tree.clone(random_tree(model, seed)) for seed in range(THREADS)]
     references = [ms.tree.clone(tree) for tree in trees]
+    calls = CALLS // 2
     with torch.no_grad():
         for tree in references:
-            for _ in range(CALLS):
+            for _ in range(calls):
                 ms.call(model, tree, X)
 
     def work(i: int) -> int:
         with torch.no_grad():
-            for _ in range(CALLS):
+            for _ in range(calls):
                 ms.call(model, trees[i], X)
         return 0
 
     run_together(work)
     for tree, reference in zip(trees, references):
-        assert int(tree["1"]["num_batches_tracked"]) == CALLS
+        assert int(tree["1"]["num_batches_tracked"]) == calls
         assert torch.equal(tree["1"]["running_mean"], reference["1"]["running_mean"])
         assert torch.equal(tree["1"]["running_var"], reference["1"]["running_var"])
     assert_holds(model, objects)
@@ -267,7 +278,7 @@ def test_grad_through_call():
 
     def work(i: int) -> int:
         wrong = 0
-        for _ in range(CALLS // 2):
+        for _ in range(CALLS // 4):
             grads = torch.func.grad(loss)(trees[i])
             wrong += not all(torch.equal(a, b) for a, b in zip(leaves(grads), leaves(expected[i])))
         return wrong
@@ -325,11 +336,13 @@ def test_a_call_while_another_thread_holds_inject_open():
         expected_mix = ms.call(model, {**tree_b, "4": tree_a["4"]}, X)
     injected, done = threading.Event(), threading.Event()
     wrong = {"a": 0, "a partial": 0, "c": 0}
+    seen: dict[str, dict[str, torch.Tensor]] = {}
 
     def holder() -> None:
         with ms.inject(model, tree_b):
             injected.set()
             done.wait()
+            seen["extract"] = ms.flatten(ms.extract(model))
 
     def caller() -> None:
         injected.wait()
@@ -353,6 +366,61 @@ def test_a_call_while_another_thread_holds_inject_open():
     done.set()
     threads[0].join()
     assert wrong == {"a": 0, "a partial": 0, "c": 0}
+    assert all(v is ms.flatten(tree_b)[k] for k, v in seen["extract"].items())
+    assert_holds(model, objects)
+
+
+def test_calls_with_their_own_trees_are_not_affected_by_load_in_another_thread():
+    model = mlp()
+    objects = own_objects(model)
+    trees = [random_tree(model, seed) for seed in range(THREADS - 1)]
+    sources = [random_tree(model, 10), random_tree(model, 11)]
+    with torch.no_grad():
+        expected = [ms.call(model, tree, X) for tree in trees]
+
+    def work(i: int) -> int:
+        with torch.no_grad():
+            if i == THREADS - 1:  # loads new values into the module's own tensors meanwhile
+                for n in range(CALLS):
+                    ms.load(model, sources[n % 2])
+                return 0
+            return sum(
+                not torch.equal(ms.call(model, trees[i], X), expected[i]) for _ in range(CALLS)
+            )
+
+    assert run_together(work) == [0] * THREADS
+    assert_holds(model, objects)
+    assert torch.equal(model[0].weight, sources[(CALLS - 1) % 2]["0"]["weight"])
+
+
+class Meet(nn.Module):
+    """Two calls meet inside forward (a barrier): if calls were serialized, neither would get
+    past it. The layer is a parametrization (torch.nn.utils.parametrizations), which needs no
+    lock, unlike the legacy weight_norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(8, 3))
+        self.meet = threading.Barrier(2, timeout=10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.meet.wait()
+        return h + self.lin(x)  # the weights after meeting the other call: still this call's
+
+
+def test_calls_are_not_serialized():
+    model = Meet()
+    objects = own_objects(model)
+    trees = [random_tree(model, seed) for seed in range(2)]
+    with torch.no_grad():
+        expected = [2 * ms.call(model.lin, tree["lin"], X) for tree in trees]
+
+    def work(i: int) -> int:
+        with torch.no_grad():
+            return sum(not torch.equal(ms.call(model, trees[i], X), expected[i]) for _ in range(50))
+
+    assert run_together(work, threads=2) == [0, 0]
     assert_holds(model, objects)
 
 
@@ -371,10 +439,13 @@ def serialized_models() -> dict[str, nn.Module]:
     return {
         "lstm": Flat(nn.LSTM(8, 4, batch_first=True)),
         "legacy weight_norm": Flat(nn.utils.weight_norm(nn.Linear(8, 4))),
+        # eval: no power iteration, so every call of one tree gives the same output
+        "legacy spectral_norm": Flat(nn.utils.spectral_norm(nn.Linear(8, 4))).eval(),
     }
 
 
-@pytest.mark.parametrize("name", ["lstm", "legacy weight_norm"])
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name", ["lstm", "legacy weight_norm", "legacy spectral_norm"])
 def test_modules_that_rewrite_tensors_in_their_dict_run_calls_one_at_a_time(name):
     """An RNN rewrites ``_flat_weights``, legacy weight_norm ``module.weight``, in ``__dict__``
     where every thread sees them: modstate runs calls on them one at a time, so they stay exact,

@@ -25,7 +25,9 @@ class inject:
     (BatchNorm statistics) land in the tree's tensors. Tensors the module keeps as plain attributes
     and lazy modules' class and hooks are restored too; other plain attributes that ``forward``
     assigns (counters, a Llama dynamic RoPE's ``max_seq_len_cached``) are not, as with
-    ``torch.func.functional_call`` (see :func:`modstate.call`).
+    ``torch.func.functional_call`` (see :func:`modstate.call`). For every thread: while the block
+    runs, a plain forward in any thread computes with the tree; a concurrent ``ms.call`` with
+    its own tree is not affected (see "Threads" in ``docs/semantics.md``).
 
     ``strict=True``: the tree's paths are the module's (as ``extract`` gives them) with the same
     shapes and dtypes; non-persistent buffers may be left out (``state_dict`` leaves them out; the
