@@ -547,3 +547,24 @@ def test_a_plain_attribute_forward_assigns_is_a_data_race():
     assert torch.equal(out["a"], lin(tree_a, x_a) * 3)  # A's weights, B's batch: the race
     assert not torch.equal(out["a"], lin(tree_a, x_a) * 2)  # what A computes alone
     assert model.batch == 3  # and afterwards, the value of whichever call assigned it last
+
+
+@pytest.mark.slow
+def test_compiled_calls_from_threads():
+    """A ``torch.compile``d ``ms.call`` takes the tree as graph inputs: also exact from threads,
+    beside a plain forward."""
+    model = mlp()
+    objects = own_objects(model)
+    trees = [random_tree(model, seed) for seed in range(THREADS - 1)]
+    compiled = torch.compile(lambda tree, x: ms.call(model, tree, x), fullgraph=True)
+    with torch.no_grad():
+        expected = [compiled(tree, X) for tree in trees] + [model(X)]
+
+    def work(i: int) -> int:
+        with torch.no_grad():
+            if i == THREADS - 1:
+                return sum(not torch.equal(model(X), expected[i]) for _ in range(CALLS))
+            return sum(not torch.equal(compiled(trees[i], X), expected[i]) for _ in range(CALLS))
+
+    assert run_together(work) == [0] * THREADS
+    assert_holds(model, objects)

@@ -32,7 +32,7 @@ from .flat import unflatten
 from .hooks import LoadPlan
 from .leaves import leaves_of
 from .sharded import Sharding, gathered
-from .tables import calls_here, enter_call, get_ident, leave_call
+from .tables import SlotTable, calls_here, enter_call, get_ident, leave_call
 from .types import Tree, TreeArg
 
 _own = dict.__getitem__
@@ -112,8 +112,9 @@ class Swap:
         self._attached: list[dict[int, Any]] = []
         self._outers: list[dict[tuple[int, str], Any] | None] | None = None
         self._inherited: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = []
-        # shared: (tables, names, what they held) per put; layer entries updated in this thread
-        self._written: list[tuple[list[dict[str, Any]], list[str], list[Any]]] = []
+        # shared: (tables, names, what they held, the setter) per put; layer entries updated in
+        # this thread
+        self._written: list[tuple[list[dict[str, Any]], list[str], list[Any], Any]] = []
         self._patched: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = []
 
     def apply(self) -> None:
@@ -147,8 +148,11 @@ class Swap:
             self._layer.update(zip(keys, values))
             self._attach(layer_dicts)
             return
-        self._written.append((tables, names, list(map(_own, tables, names))))
-        deque(map(_set_own, tables, names, values), maxlen=0)
+        # The dicts' own entries, never a call's layer; a dict of another type keeps its methods.
+        slot_tables = set(map(type, tables)) <= {SlotTable}
+        get, set_ = (_own, _set_own) if slot_tables else (operator.getitem, operator.setitem)
+        self._written.append((tables, names, list(map(get, tables, names)), set_))
+        deque(map(set_, tables, names, values), maxlen=0)
         if calls_here():
             self._patch_layers(tables, names, values)
 
@@ -210,8 +214,8 @@ class Swap:
             else:
                 # Reversed, so that a slot listed twice ends up with what it held first.
                 while self._written:
-                    tables, names, olds = self._written.pop()
-                    deque(map(_set_own, reversed(tables), reversed(names), reversed(olds)), 0)
+                    tables, names, olds, set_ = self._written.pop()
+                    deque(map(set_, reversed(tables), reversed(names), reversed(olds)), maxlen=0)
                 while self._patched:
                     layer, key, old = self._patched.pop()
                     layer[key] = old
