@@ -257,3 +257,13 @@ def test_a_table_of_another_dict_type_is_left_alone_and_calls_swap_for_everyone(
     assert type(m._parameters) is Tracked
     assert torch.equal(out, X @ tree["weight"].T + tree["bias"])
     assert m.weight is own(m)["weight"] and not torch.equal(m.weight, tree["weight"])
+
+
+def test_torchscript_fx_and_export_of_a_called_module():
+    m = model()
+    ms.call(m, other_tree(m), X)
+    expected = m(X)
+    assert torch.equal(torch.jit.script(m)(X), expected)
+    assert torch.equal(torch.jit.trace(m, (X,))(X), expected)
+    assert torch.equal(torch.fx.symbolic_trace(m)(X), expected)
+    assert torch.allclose(torch.export.export(m, (X,)).module()(X), expected)

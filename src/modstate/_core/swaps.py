@@ -39,6 +39,8 @@ _own = dict.__getitem__
 _set_own = dict.__setitem__
 _tag = operator.attrgetter("tag")
 _MISSING = object()
+_EMPTY: dict[Any, Any] = {}  # stands for "none yet"; never written
+_NONE: list[Any] = []  # likewise
 
 
 class Swap:
@@ -106,16 +108,17 @@ class Swap:
         self._applied = False
         self._restore: Callable[[], None] | None = None
         # private: this call's layer, the tables' ``layers`` dicts it is attached to, and (when
-        # nested in a call in this thread) the enclosing calls' layers it replaced there
+        # nested in a call in this thread) the enclosing calls' layers it replaced there and the
+        # entries it took from them; made by apply
         self._thread = 0
-        self._layer: dict[tuple[int, str], Any] = {}
-        self._attached: list[dict[int, Any]] = []
+        self._layer: dict[tuple[int, str], Any] = _EMPTY
+        self._attached: list[dict[int, Any]] = _NONE
         self._outers: list[dict[tuple[int, str], Any] | None] | None = None
-        self._inherited: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = []
-        # shared: (tables, names, what they held, the setter) per put; layer entries updated in
-        # this thread
-        self._written: list[tuple[list[dict[str, Any]], list[str], list[Any], Any]] = []
-        self._patched: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = []
+        self._inherited: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = _NONE
+        # shared: (tables, names, what they held, the setter) per put, and the layer entries of
+        # an enclosing call in this thread that the puts updated; made by the first put
+        self._written: list[tuple[list[dict[str, Any]], list[str], list[Any], Any]] = _NONE
+        self._patched: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = _NONE
 
     def apply(self) -> None:
         if self.lock is not None:
@@ -128,7 +131,10 @@ class Swap:
             raise
         if self.private:
             self._thread = get_ident()
+            self._layer, self._attached = {}, []
             enter_call()
+        else:
+            self._written, self._patched = [], []
         self._applied = True
         try:
             self.put(self.tables, self.names, self.values)
@@ -139,6 +145,8 @@ class Swap:
     def put(self, tables: list[dict[str, Any]], names: list[str], values: list[Any]) -> None:
         """Put ``values[i]`` into ``tables[i][names[i]]`` for this swap (undone by :meth:`undo`):
         for the calling thread only when the swap is private, else for every thread."""
+        if not self._applied:
+            raise RuntimeError("Swap.put: apply the swap first")
         if self.private:
             if tables is self.tables and self.layout is not None:
                 keys, layer_dicts = self.layout
@@ -173,6 +181,7 @@ class Swap:
         thread, layer = self._thread, self._layer
         if self._outers is None:
             self._outers = [None] * len(self._attached)
+            self._inherited = []
         for layers in layer_dicts:
             outer = layers.get(thread)
             if outer is layer:
@@ -242,7 +251,7 @@ class Swap:
             for outer, key, value in self._inherited:
                 if layer[key] is not value:
                     outer[key] = layer[key]
-        self._attached, self._outers, self._layer, self._inherited = [], None, {}, []
+        self._attached, self._outers, self._layer, self._inherited = _NONE, None, _EMPTY, _NONE
 
     def _write_back(self) -> None:
         """A buffer that the body reassigned goes into the caller's tree."""
