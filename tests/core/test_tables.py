@@ -259,6 +259,7 @@ def test_a_table_of_another_dict_type_is_left_alone_and_calls_swap_for_everyone(
     assert m.weight is own(m)["weight"] and not torch.equal(m.weight, tree["weight"])
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")
 def test_torchscript_fx_and_export_of_a_called_module():
     m = model()
     ms.call(m, other_tree(m), X)

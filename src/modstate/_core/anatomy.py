@@ -360,8 +360,9 @@ def forget(module: nn.Module) -> None:
 class ModuleGuard:
     """Snapshot of what a forward or a load hook may change besides the slots, for the modules that
     do that: tensors (and lists of tensors) kept in ``__dict__`` (legacy ``weight_norm`` /
-    ``spectral_norm`` recompute ``module.weight``, an RNN its ``_flat_weights``), and everything a lazy module changes on its first call or load (its class,
-    its hooks, the attributes holding their handles, its uninitialized parameters).
+    ``spectral_norm`` recompute ``module.weight``, an RNN its ``_flat_weights``), and everything a
+    lazy module changes on its first call or load (its class, its hooks, the attributes holding
+    their handles, its uninitialized parameters).
     :meth:`restore` puts all of it back; other attributes (counters and the like) are left alone."""
 
     __slots__ = ("_lazy_tensors", "_saved")
