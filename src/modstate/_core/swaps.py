@@ -121,6 +121,18 @@ class Swap:
         self._patched: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = _NONE
 
     def apply(self) -> None:
+        """Begin the swap and put every value in (see :meth:`begin` to put them in parts)."""
+        self.begin()
+        try:
+            self.put(self.tables, self.names, self.values)
+        except BaseException:
+            self.undo()
+            raise
+
+    def begin(self) -> None:
+        """Take the lock and the guard's snapshot and make ready for :meth:`put`, writing nothing:
+        a subclass that fills the slots in parts (one FSDP unit at a time, say) calls this, then
+        ``put`` for each part; :meth:`undo` takes back whatever was put."""
         if self.lock is not None:
             self.lock.acquire()
         try:
@@ -136,17 +148,12 @@ class Swap:
         else:
             self._written, self._patched = [], []
         self._applied = True
-        try:
-            self.put(self.tables, self.names, self.values)
-        except BaseException:
-            self.undo()
-            raise
 
     def put(self, tables: list[dict[str, Any]], names: list[str], values: list[Any]) -> None:
         """Put ``values[i]`` into ``tables[i][names[i]]`` for this swap (undone by :meth:`undo`):
         for the calling thread only when the swap is private, else for every thread."""
         if not self._applied:
-            raise RuntimeError("Swap.put: apply the swap first")
+            raise RuntimeError("Swap.put: begin (or apply) the swap first")
         if self.private:
             if tables is self.tables and self.layout is not None:
                 keys, layer_dicts = self.layout
