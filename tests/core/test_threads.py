@@ -8,6 +8,7 @@ What is *not* per call (plain attributes that ``forward`` assigns) has its own t
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 
@@ -568,3 +569,64 @@ def test_compiled_calls_from_threads():
 
     assert run_together(work) == [0] * THREADS
     assert_holds(model, objects)
+
+
+class FastHead(nn.Module):
+    """Keeps a torch.compile'd submodule, as models that compile their blocks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = torch.compile(nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", ["torch.compile(model)", "compiled submodule", "Ensemble"])
+def test_modules_running_compiled_code_compute_with_the_tree_one_call_at_a_time(make):
+    """Compiled code reads a module's dicts directly, past the per-thread layers: calls on a
+    module that keeps compiled code swap for every thread (as before) and run one at a time."""
+    torch.manual_seed(0)
+    if make == "torch.compile(model)":
+        model: nn.Module = torch.compile(mlp())
+    elif make == "compiled submodule":
+        model = FastHead()
+    else:
+        model = ms.Ensemble([mlp() for _ in range(2)], compile=True)
+    model(X)
+    objects = own_objects(model)
+    trees = [random_tree(model, seed) for seed in range(3)]
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = []
+        for tree in trees:
+            ms.swap(reference, tree)  # the tree put in for good: what the call must compute
+            expected.append(reference(X))
+
+    def work(i: int) -> int:
+        with torch.no_grad():
+            return sum(
+                not torch.allclose(ms.call(model, trees[i], X), expected[i], atol=1e-6)
+                for _ in range(CALLS // 4)
+            )
+
+    assert run_together(work, threads=3) == [0, 0, 0]
+    assert_holds(model, objects)
+
+
+@pytest.mark.slow
+def test_a_compiled_function_kept_outside_the_module_reads_the_modules_own_tensors():
+    """The limit of the above: modstate cannot see a compiled function that the module does not
+    keep; run inside a call, it reads the module's own tensors (pass them as arguments)."""
+    model = mlp()
+    first_layer = torch.compile(lambda x: model[0](x))
+    tree = random_tree(model, 1)
+    with torch.no_grad():
+        first_layer(X)
+        inside: dict[str, torch.Tensor] = {}
+        handle = model[0].register_forward_hook(lambda *_: inside.setdefault("out", first_layer(X)))
+        ms.call(model, tree, X)
+        handle.remove()
+        assert torch.equal(inside["out"], model[0](X))

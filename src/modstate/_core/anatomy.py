@@ -146,8 +146,13 @@ class Anatomy:
         own = [_own(slot.table, slot.name) for slot in self.slots]
         self.sharding: Sharding | None = sharding_of(modules, own)
         self._guarded = [weakref.ref(m) for m in guarded]
-        # Whether every slot's table can hold a private layer per thread (see tables.py).
-        self.layered = all(type(slot.table) is SlotTable for slot in self.slots)
+        # Whether a stateless call can fill a private layer per thread (see tables.py): every
+        # slot's table is a SlotTable, and no torch.compile'd code runs inside the module, since
+        # compiled code reads the dicts' own entries (Dynamo calls dict.__getitem__ on a subclass).
+        self.runs_compiled_code = any(_holds_compiled_code(m) for _, m in modules)
+        self.layered = not self.runs_compiled_code and all(
+            type(slot.table) is SlotTable for slot in self.slots
+        )
         # Whether calls must run one at a time: forward rewrites tensors kept in __dict__.
         self.serialized = any(_rewrites_tensor_attributes(m) for m in guarded)
 
@@ -307,6 +312,16 @@ def _holds_tensors(value: Any) -> bool:
         type(value) in (list, tuple)
         and any(v is not None for v in value)
         and all(v is None or isinstance(v, (torch.Tensor, weakref.ref)) for v in value)
+    )
+
+
+def _holds_compiled_code(module: nn.Module) -> bool:
+    """Whether the module keeps a ``torch.compile``d callable: ``torch.compile(module)`` (an
+    ``OptimizedModule``'s ``forward``), ``module.compile()``, an ``Ensemble(compile=True)``, a
+    compiled function kept as an attribute."""
+    return any(
+        callable(value) and getattr(value, "_torchdynamo_orig_callable", None) is not None
+        for value in vars(module).values()
     )
 
 

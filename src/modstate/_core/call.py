@@ -55,7 +55,8 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     no other thread sees them (another call, a plain ``module(x)``, ``state_dict()``); only the
     plain attributes above are shared, a data race under threads. Calls on modules that rewrite
     tensors kept in ``__dict__`` (RNNs, legacy ``weight_norm``, lazy modules before their first
-    forward) run one at a time. See "Threads" in ``docs/semantics.md``.
+    forward) or keep ``torch.compile``d code run one at a time. See "Threads" in
+    ``docs/semantics.md``.
 
     >>> import torch, modstate as ms
     >>> lin = torch.nn.Linear(3, 1)

@@ -49,12 +49,16 @@ def prepare(
     ``compute=True`` prepares a swap for computing (``call``, ``inject``): on a sharded module
     (FSDP2, tensor parallel) that is the unsharded computation (see ``sharded.py``).
     ``private=True`` (a stateless call) prepares a swap that only the calling thread sees, where
-    the module's tables allow it (not on sharded modules: their swaps are for every thread); on a
-    module whose forward rewrites tensors kept in ``__dict__``, such swaps hold a lock (one call
-    at a time; see ``Anatomy.serialized``)."""
+    the module allows it (not on sharded modules, nor on modules running ``torch.compile``d code:
+    their swaps are for every thread; see ``Anatomy.layered``). Such calls hold a lock (one call
+    at a time) on modules running compiled code, and on modules whose forward rewrites tensors
+    kept in ``__dict__`` (``Anatomy.serialized``)."""
     anatomy = anatomy_of(module)
+    # A call on a module that runs compiled code swaps for every thread, as inject does (see
+    # Anatomy.layered), so such calls too run one at a time.
+    one_at_a_time = private and (anatomy.serialized or anatomy.runs_compiled_code)
     private = private and anatomy.layered and anatomy.sharding is None
-    lock = serial_lock(module) if private and anatomy.serialized else None
+    lock = serial_lock(module) if one_at_a_time and anatomy.sharding is None else None
     prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
         prepared = _prepare_compiled(anatomy, tree, strict, private, lock)

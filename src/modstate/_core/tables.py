@@ -18,6 +18,10 @@ What it must not change (tested): a pickled, ``torch.save``-d or deep-copied tab
 ``dict`` (``__reduce_ex__``), so unpickling never needs modstate; under ``torch.compile`` the
 table is the plain dict (``is_dynamo_compiling`` is constant-folded, so Dynamo never reads a
 layer nor guards on one). Without a layer the cost of a read is one Python call (~0.1-0.3 us).
+
+What it cannot do: compiled code reads a dict subclass with ``dict.__getitem__`` (Dynamo will not
+run an overridden ``__getitem__``), so it never sees a layer; calls on a module that keeps
+compiled code swap for every thread instead (``Anatomy.layered``).
 """
 
 from __future__ import annotations
