@@ -584,13 +584,20 @@ class FastHead(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", ["torch.compile(model)", "compiled submodule", "Ensemble"])
+@pytest.mark.parametrize(
+    "make",
+    ["torch.compile(model)", "model.compile() after a call", "compiled submodule", "Ensemble"],
+)
 def test_modules_running_compiled_code_compute_with_the_tree_one_call_at_a_time(make):
     """Compiled code reads a module's dicts directly, past the per-thread layers: calls on a
     module that keeps compiled code swap for every thread (as before) and run one at a time."""
     torch.manual_seed(0)
     if make == "torch.compile(model)":
         model: nn.Module = torch.compile(mlp())
+    elif make == "model.compile() after a call":
+        model = mlp()
+        ms.call(model, ms.extract(model), X)
+        model.compile()
     elif make == "compiled submodule":
         model = FastHead()
     else:

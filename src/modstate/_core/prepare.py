@@ -55,9 +55,11 @@ def prepare(
     kept in ``__dict__`` (``Anatomy.serialized``)."""
     anatomy = anatomy_of(module)
     # A call on a module that runs compiled code swaps for every thread, as inject does (see
-    # Anatomy.layered), so such calls too run one at a time.
-    one_at_a_time = private and (anatomy.serialized or anatomy.runs_compiled_code)
-    private = private and anatomy.layered and anatomy.sharding is None
+    # Anatomy.layered), so such calls run one at a time. module.compile() after the anatomy was
+    # built changes no slot: looked up here.
+    compiled = anatomy.runs_compiled_code or vars(module).get("_compiled_call_impl") is not None
+    one_at_a_time = private and (anatomy.serialized or compiled)
+    private = private and not compiled and anatomy.layered and anatomy.sharding is None
     lock = serial_lock(module) if one_at_a_time and anatomy.sharding is None else None
     prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
