@@ -104,6 +104,18 @@ def test_statistics_a_kernel_writes_without_a_trace_come_back():
     assert int(state["stacked"]["2"]["num_batches_tracked"].sum()) == 0
 
 
+def test_in_eval_mode_an_untouched_buffer_comes_back_as_itself_on_the_general_route_too():
+    # A Mapping that is not a dict takes the general route (the fast one reads dicts only).
+    from collections import OrderedDict
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    params, state = ms.split(model, detach=True)
+    x = torch.randn(2, 3)
+    out, new_state = ms.apply(model, OrderedDict(params), state, x)
+    assert new_state["1"]["running_mean"] is state["1"]["running_mean"]
+    assert torch.equal(out, model(x))
+
+
 def test_a_reassigned_buffer_comes_back_and_the_input_tree_keeps_its_own():
     model = Counter()
     params, state = ms.split(model, detach=True)

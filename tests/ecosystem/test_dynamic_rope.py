@@ -4,6 +4,8 @@ a stateless call restores and what it documents it does not (see ``modstate.call
 from __future__ import annotations
 
 import copy
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,3 +49,55 @@ def test_calling_a_copy_keeps_the_model_equal_to_a_fresh_one():
     model, fresh = dynamic_llama(), dynamic_llama()
     ms.call(copy.deepcopy(model), ms.extract(model, detach=True), LONG)
     assert torch.equal(model(MIDDLE).logits, fresh(MIDDLE).logits)
+
+
+def test_under_threads_max_seq_len_cached_is_one_attribute_for_every_call():
+    """Issue 19 part 4. A call at a long length in thread A raises ``max_seq_len_cached`` for the
+    calls of every thread; thread B's call at a middle length, with its own tree, then computes
+    with the base frequencies, unlike a fresh model. The slots (``inv_freq`` included) stay per
+    call: B's tree is untouched by A's. One copy of the model per thread computes like a fresh
+    model."""
+    model, fresh, template = dynamic_llama(), dynamic_llama(), dynamic_llama()
+    expected = fresh(MIDDLE).logits
+    trees = {name: ms.extract(model, detach=True) for name in ("a", "b")}
+    inv_freq = trees["b"]["model"]["rotary_emb"]["inv_freq"]
+
+    def run(calls: dict[str, Callable[[], torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Run A's call, then B's, each in a thread of its own."""
+        out: dict[str, torch.Tensor] = {}
+        a_done = threading.Event()
+
+        def a() -> None:
+            out["a"] = calls["a"]()
+            a_done.set()
+
+        def b() -> None:
+            a_done.wait()
+            out["b"] = calls["b"]()
+
+        threads = [threading.Thread(target=f) for f in (a, b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return out
+
+    with torch.no_grad():
+        shared = run(
+            {
+                "a": lambda: ms.call(model, trees["a"], LONG).logits,
+                "b": lambda: ms.call(model, trees["b"], MIDDLE).logits,
+            }
+        )
+        assert int(model.model.rotary_emb.max_seq_len_cached) == 24
+        assert not torch.equal(shared["b"], expected)
+        assert trees["b"]["model"]["rotary_emb"]["inv_freq"] is inv_freq
+
+        copies = {name: copy.deepcopy(template) for name in ("a", "b")}
+        own = run(
+            {
+                "a": lambda: ms.call(copies["a"], trees["a"], LONG).logits,
+                "b": lambda: ms.call(copies["b"], trees["b"], MIDDLE).logits,
+            }
+        )
+        assert torch.equal(own["b"], expected)

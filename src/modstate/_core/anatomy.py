@@ -8,14 +8,22 @@ slots. Some modules also keep tensors computed from their slots in ``__dict__`` 
 their own class and hooks on the first forward (lazy modules); `ModuleGuard` snapshots and
 restores those, so a temporary swap leaves nothing behind.
 
-An `Anatomy` is built once per module and reused while the module's structure and tensors
-stay the same; `anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
+An :class:`Anatomy` is built once per module and reused while the module's structure and tensors
+stay the same; :func:`anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
+
+Building an anatomy makes each slot's dict a :class:`~modstate._core.tables.SlotTable` (the same
+entries, in a dict subclass that a thread can overlay privately; see ``tables.py``), once per
+dict: every table this file hands out is one, so no reference to a replaced dict goes stale. The
+fingerprint and the tie groups read the dicts' own entries (what every thread sees); ``holding``
+and :meth:`Slot.get` read what the calling thread sees (a call's tree, inside that call).
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,10 +32,14 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .sharded import Sharding, sharding_of
+from .tables import SlotTable, calls_here
 
 _getitem = operator.getitem
+_own = dict.__getitem__  # a slot's own entry, never a thread's layer
 _is = operator.is_
 _HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -44,7 +56,7 @@ _HOOK_DICTS = (
 
 class Slot:
     """One place a tensor lives: ``table[name]``, ``table`` being ``module._parameters`` or
-    ``module._buffers``."""
+    ``module._buffers`` (made a :class:`SlotTable` when it is a plain dict)."""
 
     __slots__ = ("is_buffer", "name", "path", "persistent", "table")
 
@@ -52,14 +64,32 @@ class Slot:
         self.path = path
         self.name = name
         self.is_buffer = is_buffer
-        self.table: dict[str, Any] = module._buffers if is_buffer else module._parameters
+        self.table: dict[str, Any] = slot_table(module, "_buffers" if is_buffer else "_parameters")
         self.persistent = not is_buffer or name not in module._non_persistent_buffers_set
 
     def get(self) -> Any:
+        """The tensor the calling thread sees here (inside a call: the call's)."""
         return self.table[self.name]
 
     def __repr__(self) -> str:
         return f"Slot({self.path!r})"
+
+
+_install_lock = threading.Lock()
+
+
+def slot_table(module: nn.Module, attribute: str) -> dict[str, Any]:
+    """``module._parameters`` or ``module._buffers``, made a :class:`SlotTable` (same entries) when
+    it is a plain ``dict`` / ``OrderedDict``; a dict of another type is left as it is (calls on
+    its module then swap for every thread, see ``Anatomy.layered``)."""
+    table = module.__dict__[attribute]
+    if type(table) is SlotTable or type(table) not in (dict, OrderedDict):
+        return table
+    with _install_lock:  # two threads installing at once would each keep a different table
+        table = module.__dict__[attribute]
+        if type(table) in (dict, OrderedDict):
+            table = module.__dict__[attribute] = SlotTable(table)
+    return table
 
 
 def slot_at(module: nn.Module, path: str) -> Slot:
@@ -113,20 +143,38 @@ class Anatomy:
         self.template: dict[str, Any] = template or {}
         self.by_path = {slot.path: slot for slot in self.slots}
         self.module_paths = {prefix for prefix, _ in modules}
-        self.sharding: Sharding | None = sharding_of(modules, [s.get() for s in self.slots])
+        own = [_own(slot.table, slot.name) for slot in self.slots]
+        self.sharding: Sharding | None = sharding_of(modules, own)
         self._guarded = [weakref.ref(m) for m in guarded]
+        # Whether a stateless call can fill a private layer per thread (see tables.py): every
+        # slot's table is a SlotTable, and no torch.compile'd code runs inside the module, since
+        # compiled code reads the dicts' own entries (Dynamo calls dict.__getitem__ on a subclass).
+        self.runs_compiled_code = any(_holds_compiled_code(m) for _, m in modules)
+        self.layered = not self.runs_compiled_code and all(
+            type(slot.table) is SlotTable for slot in self.slots
+        )
+        # Whether calls must run one at a time: forward rewrites tensors kept in __dict__.
+        self.serialized = any(_rewrites_tensor_attributes(m) for m in guarded)
 
         holders: dict[int, list[int]] = {}
-        for index, slot in enumerate(self.slots):
-            holders.setdefault(id(slot.get()), []).append(index)
+        for index, tensor in enumerate(own):
+            holders.setdefault(id(tensor), []).append(index)
         self.tie_groups = [group for group in holders.values() if len(group) > 1]
 
         # The compiled plan, every list in optree's leaf order of the template (sorted keys).
-        order, self.treespec = optree.tree_flatten(self.template)
+        order: list[int]
+        order, self.treespec = optree.tree_flatten(self.template)  # type: ignore[arg-type]
         self.ordered: list[Slot] = [self.slots[i] for i in order]
         self.tables = [slot.table for slot in self.ordered]
         self.names = [slot.name for slot in self.ordered]
-        self.holding = list(map(_getitem, self.tables, self.names))
+        self.held = list(map(_own, self.tables, self.names))
+        # For a private swap of the whole plan: each slot's key in a call's layer, and the
+        # distinct ``layers`` dicts of the tables (see tables.py).
+        self.layout: tuple[list[tuple[int, str]], list[dict[int, Any]]] | None = None
+        if self.layered:
+            distinct = {id(t): t for t in self.tables}.values()
+            keys = [(t.tag, n) for t, n in zip(self.tables, self.names)]  # type: ignore[attr-defined]
+            self.layout = (keys, [t.layers for t in distinct])  # type: ignore[attr-defined]
         self.buffer_positions = [i for i, slot in enumerate(self.ordered) if slot.is_buffer]
         position = {slot_index: pos for pos, slot_index in enumerate(order)}
         self.tie_positions = [[position[i] for i in group] for group in self.tie_groups]
@@ -148,6 +196,14 @@ class Anatomy:
         self.cacheable = all(child is not root for child in self.children)
 
     @property
+    def holding(self) -> list[Any]:
+        """What each slot holds, in plan order, as the calling thread sees it: the module's own
+        tensors, or inside a stateless call in this thread, that call's."""
+        if calls_here():
+            return list(map(_getitem, self.tables, self.names))
+        return self.held
+
+    @property
     def guarded(self) -> list[nn.Module]:
         """Modules whose non-slot state a swap must snapshot (see `ModuleGuard`)."""
         return [m for m in (ref() for ref in self._guarded) if m is not None]
@@ -167,7 +223,8 @@ class Anatomy:
             guarded.append(module)
         node: dict[str, Any] = {}
         for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
-            for name, tensor in table.items():
+            own: dict[str, Any] = table
+            for name, tensor in dict.items(own):  # the module's own, not a call's layer
                 if tensor is not None:
                     node[name] = len(self.slots)
                     self.slots.append(Slot(prefix + name, module, name, is_buffer))
@@ -211,7 +268,7 @@ class Anatomy:
             return (
                 list(map(len, self.dicts)) == self.dict_lens
                 and all(map(_is, map(_getitem, self.child_tables, self.child_names), self.children))
-                and all(map(_is, map(_getitem, self.tables, self.names), self.holding))
+                and all(map(_is, map(_own, self.tables, self.names), self.held))
             )
         except KeyError:
             return False
@@ -238,11 +295,63 @@ class Anatomy:
 
     def new_tree(self, leaves: list[Any]) -> dict[str, Any]:
         """A fresh nested dict shaped like ``template`` holding ``leaves`` (in plan order)."""
-        return optree.tree_unflatten(self.treespec, leaves)
+        tree: dict[str, Any] = optree.tree_unflatten(self.treespec, leaves)  # type: ignore[assignment]
+        return tree
 
 
 def _has_tensor_attributes(module: nn.Module) -> bool:
-    return any(isinstance(value, torch.Tensor) for value in vars(module).values())
+    return any(_holds_tensors(value) for value in vars(module).values())
+
+
+def _holds_tensors(value: Any) -> bool:
+    """A tensor, or a list / tuple of tensors or weak references (an RNN's ``_flat_weights`` and
+    ``_flat_weight_refs``, which must come back together)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return (
+        type(value) in (list, tuple)
+        and any(v is not None for v in value)
+        and all(v is None or isinstance(v, (torch.Tensor, weakref.ref)) for v in value)
+    )
+
+
+def _holds_compiled_code(module: nn.Module) -> bool:
+    """Whether the module keeps a ``torch.compile``d callable: ``torch.compile(module)`` (an
+    ``OptimizedModule``'s ``forward``), ``module.compile()``, an ``Ensemble(compile=True)``, a
+    compiled function kept as an attribute."""
+    return any(
+        callable(value) and getattr(value, "_torchdynamo_orig_callable", None) is not None
+        for value in vars(module).values()
+    )
+
+
+def _rewrites_tensor_attributes(module: nn.Module) -> bool:
+    """Whether ``forward`` rewrites tensors this module keeps in ``__dict__`` from its slots, where
+    every thread sees them: an RNN (``_flat_weights``), legacy ``weight_norm`` / ``spectral_norm``
+    (a forward pre-hook recomputes ``module.weight``), a lazy module before its first forward.
+    Stateless calls on such a module run one at a time (see ``tables.py``)."""
+    if isinstance(module, nn.RNNBase):
+        return True
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        return True
+    return any(
+        isinstance(hook, (WeightNorm, SpectralNorm)) for hook in module._forward_pre_hooks.values()
+    )
+
+
+_serial_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+
+
+def serial_lock(module: nn.Module) -> threading.RLock:
+    """The lock that makes stateless calls on ``module`` run one at a time (reentrant: a call
+    nested in a call on the same module, in the same thread, goes on)."""
+    lock = _serial_locks.get(module)
+    if lock is None:
+        with _install_lock:
+            lock = _serial_locks.get(module)
+            if lock is None:
+                lock = _serial_locks[module] = threading.RLock()
+    return lock
 
 
 _anatomies: weakref.WeakKeyDictionary[nn.Module, Anatomy] = weakref.WeakKeyDictionary()
@@ -265,10 +374,11 @@ def forget(module: nn.Module) -> None:
 
 class ModuleGuard:
     """Snapshot of what a forward or a load hook may change besides the slots, for the modules that
-    do that: tensors kept in ``__dict__`` (legacy ``weight_norm`` / ``spectral_norm`` recompute
-    ``module.weight``), and everything a lazy module changes on its first call or load (its class,
-    its hooks, the attributes holding their handles, its uninitialized parameters).
-    `restore` puts all of it back; other attributes (counters and the like) are left alone."""
+    do that: tensors (and lists of tensors) kept in ``__dict__`` (legacy ``weight_norm`` /
+    ``spectral_norm`` recompute ``module.weight``, an RNN its ``_flat_weights``), and everything a
+    lazy module changes on its first call or load (its class, its hooks, the attributes holding
+    their handles, its uninitialized parameters).
+    :meth:`restore` puts all of it back; other attributes (counters and the like) are left alone."""
 
     __slots__ = ("_lazy_tensors", "_saved")
 
@@ -277,26 +387,24 @@ class ModuleGuard:
         for m in modules:
             lazy = isinstance(m, LazyModuleMixin)
             attributes = {
-                name: value
-                for name, value in vars(m).items()
-                if lazy or isinstance(value, torch.Tensor)
+                name: value for name, value in vars(m).items() if lazy or _holds_tensors(value)
             }
             hooks = {name: dict(vars(m)[name]) for name in _HOOK_DICTS if lazy and name in vars(m)}
             self._saved.append((m, type(m), lazy, attributes, hooks))
+        tables: list[dict[str, Any]] = [t for m in modules for t in (m._parameters, m._buffers)]
         self._lazy_tensors = [
             (tensor, type(tensor), tensor.data)
-            for m in modules
-            for table in (m._parameters, m._buffers)
-            for tensor in table.values()
+            for table in tables
+            for tensor in dict.values(table)  # the module's own, not a call's layer
             if tensor is not None and is_lazy(tensor)
         ]
 
     def restore(self) -> None:
-        for tensor, cls, data in self._lazy_tensors:
-            if type(tensor) is not cls:
+        for tensor, tensor_cls, data in self._lazy_tensors:
+            if type(tensor) is not tensor_cls:
                 with torch.no_grad():
                     tensor.data = data
-                tensor.__class__ = cls
+                tensor.__class__ = tensor_cls
         for module, cls, lazy, attributes, hooks in self._saved:
             if type(module) is not cls:
                 module.__class__ = cls
@@ -304,7 +412,7 @@ class ModuleGuard:
             for name in [
                 name
                 for name, value in current.items()
-                if name not in attributes and (lazy or isinstance(value, torch.Tensor))
+                if name not in attributes and (lazy or _holds_tensors(value))
             ]:
                 del current[name]
             for name, value in attributes.items():

@@ -40,7 +40,8 @@ def apply(
     keeps its own BatchNorm statistics: stack the state too) and ``torch.compile(fullgraph=True)``.
     Frozen parameters in ``state`` are not copied (``forward`` must not write into parameters).
     Inside ``torch.compile`` every buffer comes back as a new tensor (a compiled graph cannot
-    tell which of its copies ``forward`` wrote to); the values are the same.
+    tell which of its copies ``forward`` wrote to); the values are the same. Threads: as
+    :func:`modstate.call`, several threads may apply one module at once.
 
     >>> import torch, modstate as ms
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # train mode
@@ -240,10 +241,10 @@ def _collect(
         elif path not in copies:
             out[key] = now
         else:
-            copy, version = copies[path]
+            copy, copied_at = copies[path]
             if now is not copy:  # forward reassigned the buffer; call wrote it back into work
                 out[key] = now
-            elif compiling or path in updated_by_kernel or version(copy) != version:
+            elif compiling or path in updated_by_kernel or version(copy) != copied_at:
                 out[key] = copy
             else:
                 out[key] = original

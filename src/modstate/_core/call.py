@@ -60,6 +60,13 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     every module's ``__dict__`` on every call would cost more than the call itself on small
     models. Call a copy (``copy.deepcopy(module)``) when its forward keeps such state.
 
+    Threads: calls on one module from several threads run at once, each with its own tree, and
+    no other thread sees them (another call, a plain ``module(x)``, ``state_dict()``); only the
+    plain attributes above are shared, a data race under threads. Calls on modules that rewrite
+    tensors kept in ``__dict__`` (RNNs, legacy ``weight_norm``, lazy modules before their first
+    forward) or keep ``torch.compile``d code run one at a time. See "Threads" in
+    ``docs/semantics.md``.
+
     >>> import torch, modstate as ms
     >>> lin = torch.nn.Linear(3, 1)
     >>> tree = ms.extract(lin, detach=True)
@@ -71,7 +78,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=True)
     try:
-        swap = prepare(module, tree, True, compute=True)
+        swap = prepare(module, tree, True, compute=True, private=True)
     except PathError as error:
         raise error.within("call", _CALL_FIXES.get(type(error))) from None
     swap.apply()
@@ -92,7 +99,9 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     ``dict(model.named_parameters())`` flattened, or only the parameters of one layer), and its
     shapes and dtypes may differ from the module's (``ms.inject(module, tree, strict=False)``).
     Unknown paths are still an error. Every argument after ``tree`` goes to ``forward``, so no
-    option of modstate can collide with ``forward``'s keyword arguments.
+    option of modstate can collide with ``forward``'s keyword arguments. Threads: as
+    :func:`call`; the paths the tree leaves out show what the module holds for every thread
+    (another thread's open ``inject``, say).
 
     >>> import torch, modstate as ms
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
@@ -104,7 +113,7 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=False)
     try:
-        swap = prepare(module, tree, False, compute=True)
+        swap = prepare(module, tree, False, compute=True, private=True)
     except PathError as error:
         raise error.within("call_partial") from None
     swap.apply()
@@ -131,6 +140,6 @@ def call_while_compiling(
     )
     for component, flat, before in zip(components, flats, given):
         changed = {key: value for key, value in flat.items() if value is not before[key]}
-        if changed:
+        if changed and isinstance(component, dict):
             write_back(component, unflatten(changed))
     return out

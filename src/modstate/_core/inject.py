@@ -28,8 +28,9 @@ class inject:
     (BatchNorm statistics) land in the tree's tensors. Tensors the module keeps as plain attributes
     and lazy modules' class and hooks are restored too; other plain attributes that ``forward``
     assigns (counters, a Llama dynamic RoPE's ``max_seq_len_cached``) are not, as with
-    ``torch.func.functional_call`` (see ``modstate.call``). While the block is open the module
-    *is* that tree for every thread that uses it.
+    ``torch.func.functional_call`` (see :func:`modstate.call`). For every thread: while the block
+    runs, a plain forward in any thread computes with the tree; a concurrent ``ms.call`` with
+    its own tree is not affected (see "Threads" in ``docs/semantics.md``).
 
     Where the module holds one tensor at several paths (tied weights), one path sets them all;
     giving different tensors at two of them is an error. The tensor at the first of the paths (in

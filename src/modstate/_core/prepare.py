@@ -13,14 +13,16 @@ three routes:
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Mapping
+from functools import partial
 from itertools import repeat
 from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from .anatomy import Anatomy, ModuleGuard, anatomy_of
+from .anatomy import Anatomy, ModuleGuard, anatomy_of, serial_lock
 from .errors import MissingPaths, dtype_mismatch, shape_mismatch, unknown_path
 from .flat import unflatten
 from .hooks import Assignment, LoadPlan, plan_load
@@ -34,17 +36,36 @@ _is = operator.is_
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 
 
-def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = False) -> Swap:
+def prepare(
+    module: nn.Module,
+    tree: TreeArg,
+    strict: bool,
+    *,
+    compute: bool = False,
+    private: bool = False,
+) -> Swap:
     """Check ``tree`` against ``module`` and say which slot gets which tensor; change nothing.
 
     ``compute=True`` prepares a swap for computing (``call``, ``inject``): on a sharded module
-    (FSDP2, tensor parallel) that is the unsharded computation (see ``sharded.py``)."""
+    (FSDP2, tensor parallel) that is the unsharded computation (see ``sharded.py``).
+    ``private=True`` (a stateless call) prepares a swap that only the calling thread sees, where
+    the module allows it (not on sharded modules, nor on modules running ``torch.compile``d code:
+    their swaps are for every thread; see ``Anatomy.layered``). Such calls hold a lock (one call
+    at a time) on modules running compiled code, and on modules whose forward rewrites tensors
+    kept in ``__dict__`` (``Anatomy.serialized``)."""
     anatomy = anatomy_of(module)
+    # A call on a module that runs compiled code swaps for every thread, as inject does (see
+    # Anatomy.layered), so such calls run one at a time. module.compile() after the anatomy was
+    # built changes no slot: looked up here.
+    compiled = anatomy.runs_compiled_code or vars(module).get("_compiled_call_impl") is not None
+    one_at_a_time = private and (anatomy.serialized or compiled)
+    private = private and not compiled and anatomy.layered and anatomy.sharding is None
+    lock = serial_lock(module) if one_at_a_time and anatomy.sharding is None else None
     prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
-        prepared = _prepare_compiled(anatomy, tree, strict)
+        prepared = _prepare_compiled(anatomy, tree, strict, private, lock)
     if prepared is None:
-        prepared = _prepare_by_path(anatomy, tree, strict)
+        prepared = _prepare_by_path(anatomy, tree, strict, private, lock)
     if compute and anatomy.sharding is not None:
         partial = partial_leaf(prepared.values)
         if partial is not None:
@@ -60,7 +81,13 @@ def prepare(module: nn.Module, tree: TreeArg, strict: bool, *, compute: bool = F
     return prepared
 
 
-def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -> Swap | None:
+def _prepare_compiled(
+    anatomy: Anatomy,
+    tree: Mapping[str, Any],
+    strict: bool,
+    private: bool,
+    lock: threading.RLock | None,
+) -> Swap | None:
     read = anatomy.read(tree)
     if read is None:
         return None
@@ -92,12 +119,17 @@ def _prepare_compiled(anatomy: Anatomy, tree: Mapping[str, Any], strict: bool) -
         olds,
         anatomy.buffer_positions,
         lambda i: (nodes[leaf_nodes[i]], leaf_keys[i]),
-        ModuleGuard(guarded).restore if guarded else None,
+        partial(ModuleGuard, guarded) if guarded else None,
         anatomy.new_tree,
+        private=private,
+        lock=lock,
+        layout=anatomy.layout if private else None,
     )
 
 
-def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
+def _prepare_by_path(
+    anatomy: Anatomy, tree: TreeArg, strict: bool, private: bool, lock: threading.RLock | None
+) -> Swap:
     slots = anatomy.slots
     index_of = {slot.path: i for i, slot in enumerate(slots)}
     given: dict[int, tuple[Any, Any, str]] = {}
@@ -151,8 +183,10 @@ def _prepare_by_path(anatomy: Anatomy, tree: TreeArg, strict: bool) -> Swap:
         list(map(operator.getitem, tables, names)),
         [pos for pos, i in enumerate(order) if slots[i].is_buffer],
         lambda pos: None if nodes[pos] is None else (nodes[pos], keys[pos]),
-        ModuleGuard(guarded).restore if guarded else None,
+        partial(ModuleGuard, guarded) if guarded else None,
         lambda olds: unflatten({p: v for p, v in zip(paths, olds) if p is not None}),
+        private=private,
+        lock=lock,
     )
 
 

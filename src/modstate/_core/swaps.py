@@ -2,14 +2,25 @@
 
 A `Swap` is what `prepare` produces after every check passed: which
 slot (``table[name]``) gets which tensor, what it held before, and where in the caller's tree each
-value sits (so that a buffer that ``forward`` reassigns is written back there). Applying and
-undoing it are C-level passes over flat lists. `UnshardedSwap` is the form for modules
-sharded with FSDP2 / tensor parallel, `HookedSwap` the one that replays ``load_state_dict``.
+value sits (so that a buffer that ``forward`` reassigns is written back there). Every write into
+the slots goes through :meth:`Swap.put`, in one of two ways:
+
+- *private* (a stateless call): the tensors go into the calling thread's layer of each
+  :class:`~modstate._core.tables.SlotTable`; no other thread sees them, and undo takes the layer
+  away (restoring an enclosing call's layer when calls nest in one thread);
+- *shared* (``inject``, ``swap``, and calls on modules that cannot be layered, sharded ones
+  included): the tensors go into the dicts themselves, for every thread; undo puts back what each
+  slot held. Inside a stateless call in the same thread, the call's layer is updated too, so the
+  body sees what it injected.
+
+:class:`UnshardedSwap` is the form for modules sharded with FSDP2 / tensor parallel,
+:class:`HookedSwap` the one that replays ``load_state_dict``.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -22,10 +33,16 @@ from .gathers import gathered
 from .hooks import LoadPlan
 from .leaves import leaves_of
 from .sharded import Sharding
+from .tables import SlotTable, calls_here, enter_call, get_ident, leave_call
 from .types import Tree, TreeArg
 from .units import Units
 
-_setitem = operator.setitem
+_own = dict.__getitem__
+_set_own = dict.__setitem__
+_tag = operator.attrgetter("tag")
+_MISSING = object()
+_EMPTY: dict[Any, Any] = {}  # stands for "none yet"; never written
+_NONE: list[Any] = []  # likewise
 
 
 class Swap:
@@ -33,15 +50,31 @@ class Swap:
 
     ``targets(i)`` is ``(node, key)``, where the tree holds ``values[i]``: a buffer that the body
     reassigns is written back there, as ``torch.func.functional_call`` does. ``rebuild(olds)``
-    nests values listed like ``values`` at the tree's paths (what [`swap`][modstate.swap] returns).
+    nests values listed like ``values`` at the tree's paths (what :func:`swap` returns).
+    ``guard()`` snapshots what the module keeps outside its slots (a :class:`ModuleGuard`), taken
+    when the swap is applied and restored when it is undone. ``private``: only the calling thread
+    sees the swap (see the module docstring); ``lock``: held from apply to undo (calls on modules
+    that rewrite tensors kept in ``__dict__`` run one at a time). ``layout``: for a private swap
+    of the anatomy's compiled plan, its layer keys and distinct ``layers`` dicts, precomputed.
     """
 
     __slots__ = (
         "_applied",
+        "_attached",
+        "_inherited",
+        "_layer",
+        "_outers",
+        "_patched",
+        "_restore",
+        "_thread",
+        "_written",
         "buffers",
         "guard",
+        "layout",
+        "lock",
         "names",
         "olds",
+        "private",
         "rebuild",
         "tables",
         "targets",
@@ -56,8 +89,12 @@ class Swap:
         olds: list[Any],
         buffers: list[int],
         targets: Callable[[int], tuple[Any, str] | None],
-        guard: Callable[[], None] | None,
+        guard: Callable[[], ModuleGuard] | None,
         rebuild: Callable[[list[Any]], Tree],
+        *,
+        private: bool = False,
+        lock: threading.RLock | None = None,
+        layout: tuple[list[tuple[int, str]], list[dict[int, Any]]] | None = None,
     ) -> None:
         self.rebuild = rebuild
         self.tables = tables
@@ -67,11 +104,117 @@ class Swap:
         self.buffers = buffers
         self.targets = targets
         self.guard = guard
+        self.private = private
+        self.lock = lock
+        self.layout = layout
         self._applied = False
+        self._restore: Callable[[], None] | None = None
+        # private: this call's layer, the tables' ``layers`` dicts it is attached to, and (when
+        # nested in a call in this thread) the enclosing calls' layers it replaced there and the
+        # entries it took from them; made by apply
+        self._thread = 0
+        self._layer: dict[tuple[int, str], Any] = _EMPTY
+        self._attached: list[dict[int, Any]] = _NONE
+        self._outers: list[dict[tuple[int, str], Any] | None] | None = None
+        self._inherited: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = _NONE
+        # shared: (tables, names, what they held, the setter) per put, and the layer entries of
+        # an enclosing call in this thread that the puts updated; made by the first put
+        self._written: list[tuple[list[dict[str, Any]], list[str], list[Any], Any]] = _NONE
+        self._patched: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = _NONE
 
     def apply(self) -> None:
-        deque(map(_setitem, self.tables, self.names, self.values), maxlen=0)
+        """Begin the swap and put every value in (see :meth:`begin` to put them in parts)."""
+        self.begin()
+        try:
+            self.put(self.tables, self.names, self.values)
+        except BaseException:
+            self.undo()
+            raise
+
+    def begin(self) -> None:
+        """Take the lock and the guard's snapshot and make ready for :meth:`put`, writing nothing:
+        a subclass that fills the slots in parts (one FSDP unit at a time, say) calls this, then
+        ``put`` for each part; :meth:`undo` takes back whatever was put."""
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            self._restore = self.guard().restore if self.guard is not None else None
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+        if self.private:
+            self._thread = get_ident()
+            self._layer, self._attached = {}, []
+            enter_call()
+        else:
+            self._written, self._patched = [], []
         self._applied = True
+
+    def put(self, tables: list[dict[str, Any]], names: list[str], values: list[Any]) -> None:
+        """Put ``values[i]`` into ``tables[i][names[i]]`` for this swap (undone by :meth:`undo`):
+        for the calling thread only when the swap is private, else for every thread."""
+        if not self._applied:
+            raise RuntimeError("Swap.put: begin (or apply) the swap first")
+        if self.private:
+            if tables is self.tables and self.layout is not None:
+                keys, layer_dicts = self.layout
+            else:
+                keys = list(zip(map(_tag, tables), names))
+                layer_dicts = list({id(t): t.layers for t in tables}.values())  # type: ignore[attr-defined]
+            self._layer.update(zip(keys, values))
+            self._attach(layer_dicts)
+            return
+        # The dicts' own entries, never a call's layer; a dict of another type keeps its methods.
+        slot_tables = set(map(type, tables)) <= {SlotTable}
+        get, set_ = (_own, _set_own) if slot_tables else (operator.getitem, operator.setitem)
+        self._written.append((tables, names, list(map(get, tables, names)), set_))
+        deque(map(set_, tables, names, values), maxlen=0)
+        if calls_here():
+            self._patch_layers(tables, names, values)
+
+    def _attach(self, layer_dicts: list[dict[int, Any]]) -> None:
+        """Make this call's layer the calling thread's layer of each table."""
+        thread, layer = self._thread, self._layer
+        for layers in layer_dicts:
+            if thread in layers:
+                self._attach_nested(layer_dicts)
+                return
+        for layers in layer_dicts:
+            layers[thread] = layer
+        self._attached += layer_dicts
+
+    def _attach_nested(self, layer_dicts: list[dict[int, Any]]) -> None:
+        """Attach inside a call in this thread (or again, for a later put): what the enclosing
+        call put in stays visible where this one puts nothing, and its layer comes back at undo."""
+        thread, layer = self._thread, self._layer
+        if self._outers is None:
+            self._outers = [None] * len(self._attached)
+            self._inherited = []
+        for layers in layer_dicts:
+            outer = layers.get(thread)
+            if outer is layer:
+                continue
+            if outer is not None:
+                for key, value in outer.items():
+                    if key not in layer:
+                        layer[key] = value
+                        self._inherited.append((outer, key, value))
+            layers[thread] = layer
+            self._attached.append(layers)
+            self._outers.append(outer)
+
+    def _patch_layers(self, tables: list[Any], names: list[str], values: list[Any]) -> None:
+        """A shared swap inside a stateless call in this thread: the call's layer shadows the
+        dicts, so the body would not see the swap; update the layer where it holds the slot."""
+        thread = get_ident()
+        for table, name, value in zip(tables, names, values):
+            layers = getattr(table, "layers", None)
+            layer = layers.get(thread) if layers else None
+            key = (getattr(table, "tag", 0), name)
+            if layer is not None and key in layer:
+                self._patched.append((layer, key, layer[key]))
+                layer[key] = value
 
     def replaced(self) -> Tree:
         """What the applied swap took out of the module, at the tree's paths."""
@@ -81,17 +224,56 @@ class Swap:
         if not self._applied:
             return
         self._applied = False
+        try:
+            self._write_back()
+            if self.private:
+                self._detach()
+                leave_call()
+            else:
+                # Reversed, so that a slot listed twice ends up with what it held first.
+                while self._written:
+                    tables, names, olds, set_ = self._written.pop()
+                    deque(map(set_, reversed(tables), reversed(names), reversed(olds)), maxlen=0)
+                while self._patched:
+                    layer, key, old = self._patched.pop()
+                    layer[key] = old
+            restore, self._restore = self._restore, None
+            if restore is not None:
+                restore()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _detach(self) -> None:
+        thread, outers = self._thread, self._outers
+        if outers is None:
+            for layers in self._attached:
+                del layers[thread]
+        else:
+            for layers, outer in zip(self._attached, outers):
+                if outer is None:
+                    del layers[thread]
+                else:
+                    layers[thread] = outer
+            # What the body assigned to a slot of the enclosing call goes to that call.
+            layer = self._layer
+            for outer, key, value in self._inherited:
+                if layer[key] is not value:
+                    outer[key] = layer[key]
+        self._attached, self._outers, self._layer, self._inherited = _NONE, None, _EMPTY, _NONE
+
+    def _write_back(self) -> None:
+        """A buffer that the body reassigned goes into the caller's tree."""
         tables, names, values = self.tables, self.names, self.values
         for i in self.buffers:
-            now = tables[i][names[i]]
-            if now is not values[i]:
+            if self.private:
+                now = self._layer.get((_tag(tables[i]), names[i]), _MISSING)
+            else:
+                now = tables[i][names[i]]  # what this thread sees (a call's layer, if any)
+            if now is not _MISSING and now is not values[i]:
                 target = self.targets(i)
                 if target is not None:
                     target[0][target[1]] = now
-        # Reversed, so that a slot listed twice ends up with what it held first.
-        deque(map(_setitem, reversed(tables), reversed(names), reversed(self.olds)), maxlen=0)
-        if self.guard is not None:
-            self.guard()
 
 
 class UnshardedSwap(Swap):
@@ -139,7 +321,9 @@ class UnshardedSwap(Swap):
         its forward, the tree's ``DTensor`` s after it)."""
         tables, names = self.tables, self.names
         for i, value in zip(positions, values):
-            tables[i][names[i]] = value
+            table = tables[i]
+            # A sharded module's swap is shared (for every thread): the dict's own entries.
+            (_set_own if type(table) is SlotTable else operator.setitem)(table, names[i], value)
 
     def apply(self) -> None:
         # The stand-ins hold the swap (to put values into its slots), not the other way round:
@@ -169,6 +353,10 @@ class HookedSwap(Swap):
         def target(i: int) -> tuple[Any, str] | None:
             return flat_nodes.get(assignments[i].key)
 
+        def taken() -> ModuleGuard:
+            assert guard is not None
+            return guard  # taken before the load pre-hooks ran (see prepare_hooked)
+
         super().__init__(
             [a.table for a in assignments],
             [a.name for a in assignments],
@@ -176,7 +364,7 @@ class HookedSwap(Swap):
             [a.current for a in assignments],
             [i for i, a in enumerate(assignments) if a.is_buffer],
             target,
-            None if guard is None else guard.restore,
+            None if guard is None else taken,
             lambda olds: unflatten({a.key: old for a, old in zip(assignments, olds)}),
         )
         self.extra_states = plan.extra_states
