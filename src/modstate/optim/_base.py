@@ -1,4 +1,4 @@
-"""`Optimizer`: what every pure optimizer of `modstate.optim` shares.
+"""`ElementwiseOptimizer`: what every pure optimizer of `modstate.optim` shares.
 
 An optimizer is a frozen dataclass of hyperparameters. `init` builds its state, `step` checks the
 trees, resolves the hyperparameters for this step (a schedule for `lr` is evaluated at the step
@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from modstate._core.types import Tree
+from modstate.optim._checks import check_betas, check_hyperparameter, check_lr, is_zero
 from modstate.optim._lists import LeafOps, Leaves, Scalar
 from modstate.optim._tree import (
     StepLeaves,
@@ -26,6 +28,8 @@ from modstate.optim._tree import (
 
 # A learning rate: a number, a 0-dim tensor, or a schedule (a function of the step count).
 LearningRate = Scalar | Callable[[Any], Scalar]
+# Two decay rates (beta1, beta2), each a number or a 0-dim tensor.
+Betas = tuple[Scalar, Scalar]
 
 
 class Run:
@@ -79,22 +83,21 @@ class Run:
         """Whether this is the first step (a 0-dim bool tensor when the count is one)."""
         return self.count == 1
 
-    def maximize_and_decay(self, maximize: bool, weight_decay: Scalar) -> None:
-        """``g = -g`` if maximize; ``g = g + weight_decay * p`` (L2), as torch.optim begins."""
+    def begin(self, maximize: bool, *, decoupled_weight_decay: bool = False) -> None:
+        """The lines every torch.optim optimizer begins with: ``g = -g`` if `maximize`, then
+        weight decay, either decoupled (``p = p * (1 - lr * weight_decay)``, AdamW) or as an
+        L2 penalty (``g = g + weight_decay * p``)."""
+        weight_decay = self.hyper["weight_decay"]
         if maximize:
             self.g, self.own_g = self.ops.neg(self.g), True
-        if not _is_zero(weight_decay):
+        if is_zero(weight_decay):
+            return
+        if decoupled_weight_decay:
+            factor = 1 - self.hyper["lr"] * weight_decay
+            self.p, self.own_p = self.ops.mul(self.p, factor, own=self.own_p), True
+        else:
             self.g = self.ops.add(self.g, self.p, weight_decay, own=self.own_g)
             self.own_g = True
-
-    def decay_params(self, lr: Scalar, weight_decay: Scalar) -> None:
-        """``p = p * (1 - lr * weight_decay)``: decoupled weight decay (AdamW)."""
-        if not _is_zero(weight_decay):
-            self.p, self.own_p = self.ops.mul(self.p, 1 - lr * weight_decay, own=self.own_p), True
-
-
-def _is_zero(value: Scalar) -> bool:
-    return not isinstance(value, Tensor) and value == 0
 
 
 def _resolve(value: Any, count_before: float | Tensor) -> Any:
@@ -111,8 +114,13 @@ def _resolve(value: Any, count_before: float | Tensor) -> Any:
 
 
 @dataclass(frozen=True)
-class Optimizer:
-    """Base of the pure optimizers; subclasses define the fields, buffers and `update`."""
+class ElementwiseOptimizer:
+    """Base of the pure optimizers whose update is elementwise over the leaves (every optimizer
+    of `modstate.optim`; `masked` wraps one). Subclasses define the fields, buffers and `update`.
+
+    Subclasses are frozen dataclasses of hyperparameters; build them with the factories
+    (`modstate.optim.adam`, ...), which carry `torch.optim`'s argument names and defaults.
+    """
 
     name: ClassVar[str] = "optimizer"
     scalar_names: ClassVar[tuple[str, ...]] = ()
@@ -130,22 +138,65 @@ class Optimizer:
         """Update `run.p` and `run.buffers`; return the new scalar state (name -> 0-dim)."""
         raise NotImplementedError
 
-    def init(self, params: Any) -> dict[str, Any]:
-        """The state before the first step: a zero step counter and one tree per buffer."""
+    def init(self, params: Tree) -> dict[str, Any]:
+        """The optimizer's state before the first step.
+
+        Args:
+            params: the tree of floating-point (or complex) tensors to optimize; None is an
+                empty subtree. A tied tensor (one object at several paths) gets one buffer,
+                standing at all its paths.
+
+        Returns:
+            ``{"step": 0-dim tensor, <buffer name>: tree like params, ...}``: a step counter
+            (a 0-dim CPU tensor, float32 like torch.optim's) and one tree per buffer
+            (``"exp_avg"``, ``"momentum_buffer"``, ...).
+
+        Raises:
+            TypeError: a leaf of `params` is not a floating-point or complex tensor (the
+                message names its path and the fix).
+
+        Example:
+            >>> opt = modstate.optim.sgd(lr=0.1, momentum=0.9)
+            >>> sorted(opt.init({"w": torch.ones(2)}))
+            ['momentum_buffer', 'step']
+        """
         state: dict[str, Any] = {"step": new_scalar(0.0)}
         state.update({name: new_scalar(1.0) for name in self.scalar_names})
-        state.update(init_buffers(params, self.buffer_names, self.fill))
+        state.update(init_buffers(params, self.buffer_names, self.fill, self.name))
         return state
 
     def step(
-        self, params: Any, grads: Any, state: Mapping[str, Any], *, donate: bool = False
-    ) -> tuple[Any, dict[str, Any]]:
-        """One step: returns ``(new_params, new_state)``.
+        self, params: Tree, grads: Tree, state: Mapping[str, Any], *, donate: bool = False
+    ) -> tuple[Tree, dict[str, Any]]:
+        """One optimizer step.
 
-        No input is changed, unless ``donate=True``: then the buffers of `params` and `state`
-        may be reused for the outputs (the caller promises not to read them again); the numbers
-        are the same either way. Leaves whose gradient is None keep their param and state (the
-        same objects); the step counter is shared by all leaves and counts every call.
+        No input is changed, unless ``donate=True``. Leaves whose gradient is None keep their
+        param and state (the same objects); the step counter is shared by all leaves and
+        counts every call.
+
+        Args:
+            params: the tree of tensors being optimized.
+            grads: a tree of the same structure (``torch.func.grad`` or ``ms.grad`` returns
+                one); a None leaf freezes that leaf for this step.
+            state: the dict returned by `init` or by the last step.
+            donate: the caller promises not to read `params` and `state` again, so their
+                buffers may hold the results (as ``torch.optim`` steps in place): same
+                numbers, no new memory.
+
+        Returns:
+            ``(new_params, new_state)``, trees of the same structure as `params` and `state`.
+
+        Raises:
+            ValueError: `grads` or a tree of `state` does not fit `params` (the message names
+                the first path that does not), or `state` is another optimizer's.
+            TypeError: a leaf of `params` is not a floating-point or complex tensor.
+
+        Example:
+            >>> opt = modstate.optim.sgd(lr=0.5)
+            >>> params = {"w": torch.ones(2)}
+            >>> new, state = opt.step(params, {"w": torch.ones(2)}, opt.init(params))
+            >>> new["w"], params["w"]
+            (tensor([0.5000, 0.5000]), tensor([1., 1.]))
         """
         names = self.buffer_names
         step = self._check_state(state, names)
@@ -186,25 +237,47 @@ class Optimizer:
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
         return leaves.rebuild(leaves.params, run.p), new_state
 
-    def _check_state(self, state: Any, names: tuple[str, ...]) -> Tensor:
+    def _check_state(self, state: object, names: tuple[str, ...]) -> Tensor:
         if not isinstance(state, Mapping):
             raise TypeError(
-                f"state must be the dict returned by {self.name}.init, got {type(state).__name__}"
+                f"{self.name}.step: 'state': got {type(state).__name__}; pass the dict that "
+                f"{self.name}.init (or the last step) returned"
             )
         expected = {"step", *self.scalar_names, *names}
         if set(state) != expected:
             raise ValueError(
-                f"state has keys {sorted(state)}, but {self.name} keeps {sorted(expected)}: "
-                f"pass the state made by this optimizer's init (or its last step)"
+                f"{self.name}.step: 'state': has keys {sorted(state)}, but {self.name} keeps "
+                f"{sorted(expected)}; pass the state made by this optimizer's init (or its "
+                f"last step)"
             )
         for key in ("step", *self.scalar_names):
             if not isinstance(state[key], Tensor) or state[key].dim() != 0:
-                raise ValueError(f"state[{key!r}] must be a 0-dim tensor")
+                raise ValueError(
+                    f"{self.name}.step: 'state.{key}': not a 0-dim tensor; pass the state "
+                    f"made by this optimizer's init (or its last step)"
+                )
         return state["step"]
 
 
+@dataclass(frozen=True)
+class AdamLike(ElementwiseOptimizer):
+    """The fields and checks shared by the optimizers built on Adam's moment estimates (Adam,
+    AdamW, Adamax, NAdam, RAdam); each declares its own defaults and further fields."""
+
+    lr: LearningRate = 1e-3
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
+    eps: Scalar = 1e-8
+    weight_decay: Scalar = 0.0
+
+    def __post_init__(self) -> None:
+        check_lr(self.name, self.lr)
+        object.__setattr__(self, "betas", check_betas(self.name, self.betas))
+        check_hyperparameter(self.name, "eps", self.eps, low=0.0)
+        check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
+
+
 def _scalars(hyper: dict[str, Any]) -> list[Any]:
-    found = []
+    found: list[Any] = []
     for value in hyper.values():
         if isinstance(value, (tuple, list)):
             found.extend(value)

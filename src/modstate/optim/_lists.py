@@ -19,7 +19,7 @@ runs each of them in one of two forms that give the same numbers:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from numbers import Number
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -28,11 +28,6 @@ from modstate._core.torch_facts import foreach_allowed
 
 Scalar = float | int | Tensor
 Leaves = list[Tensor]
-
-
-def is_zero(value: Scalar) -> bool:
-    """True for a Python number equal to 0; a tensor is never known to be zero (no device sync)."""
-    return isinstance(value, Number) and value == 0
 
 
 def safe_sqrt(x: Tensor) -> Tensor:
@@ -51,6 +46,12 @@ def _all_cpu(xs: Leaves) -> bool:
     loop over the leaves anyway, and reusing an intermediate saves allocating (and
     page-faulting) one tree's worth of memory."""
     return all(x.device.type == "cpu" for x in xs)
+
+
+def _number(value: Scalar) -> float:
+    """A scalar of the eager form, which is always a Python number (a tensor hyperparameter
+    selects the functional form)."""
+    return cast(float, value)
 
 
 def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
@@ -161,12 +162,13 @@ class LeafOps:
     ) -> Leaves:
         """``x + alpha * y``; ``into``: a list of the step's own to hold the result (eager)."""
         if self.foreach:
+            number = _number(alpha)
             if own:
-                torch._foreach_add_(xs, ys, alpha=alpha)
+                torch._foreach_add_(xs, ys, alpha=number)
                 return xs
             if into is not None and _all_cpu(into):
-                return [torch.add(x, y, alpha=alpha, out=o) for x, y, o in zip(xs, ys, into)]
-            return list(torch._foreach_add(xs, ys, alpha=alpha))
+                return [torch.add(x, y, alpha=number, out=o) for x, y, o in zip(xs, ys, into)]
+            return list(torch._foreach_add(xs, ys, alpha=number))
         if isinstance(alpha, Tensor):
             # `alpha=` takes numbers only; torch.optim's differentiable path multiplies too.
             return [torch.add(x, torch.mul(y, _as_dtype(alpha, y))) for x, y in zip(xs, ys)]
@@ -176,9 +178,9 @@ class LeafOps:
         """``x + weight * (y - x)``, with `torch.lerp`'s rounding."""
         if self.foreach:
             if own:
-                torch._foreach_lerp_(xs, ys, weight)
+                torch._foreach_lerp_(xs, ys, _number(weight))
                 return xs
-            return list(torch._foreach_lerp(xs, ys, weight))
+            return list(torch._foreach_lerp(xs, ys, _number(weight)))
         if isinstance(weight, Tensor):
             return [torch.lerp(x, y, _as_dtype(weight, x)) for x, y in zip(xs, ys)]
         return [torch.lerp(x, y, weight) for x, y in zip(xs, ys)]
@@ -219,7 +221,7 @@ class LeafOps:
             out = zs if into_zs else into
             if out is not None and _all_cpu(out):
                 return [
-                    torch.addcdiv(x, y, z, value=value, out=o)
+                    torch.addcdiv(x, y, z, value=_number(value), out=o)
                     for x, y, z, o in zip(xs, ys, zs, out)
                 ]
             return list(torch._foreach_addcdiv(xs, ys, zs, value))
