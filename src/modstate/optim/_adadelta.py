@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._base import ElementwiseOptimizer, LearningRate, Run
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
 from modstate.optim._checks import check_hyperparameter, check_lr
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Adadelta(ElementwiseOptimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_lr(self.name, self.lr)
         check_hyperparameter(self.name, "rho", self.rho, low=0.0, high=1.0, high_inclusive=True)
         check_hyperparameter(self.name, "eps", self.eps, low=0.0)
@@ -78,6 +80,7 @@ def adadelta(
     weight_decay: Scalar = 0,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> Adadelta:
     """Adadelta, with `torch.optim.Adadelta`'s arguments and numbers.
 
@@ -87,12 +90,16 @@ def adadelta(
         eps: added inside the square roots for numerical stability.
         weight_decay: L2 penalty, added to the gradient.
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
 
     Returns:
         An `Adadelta` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -102,4 +109,6 @@ def adadelta(
         >>> params["w"]  # -sqrt(eps) / sqrt(0.1 + eps)
         tensor([-0.0032])
     """
-    return Adadelta(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
+    return Adadelta(
+        lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach
+    )

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modstate.optim._base import ElementwiseOptimizer, LearningRate, Run
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
 from modstate.optim._checks import check_hyperparameter, check_lr
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Adagrad(ElementwiseOptimizer):
     """
 
     name = "adagrad"
+    has_fused = True
 
     lr: LearningRate = 1e-2
     lr_decay: Scalar = 0.0
@@ -45,6 +47,7 @@ class Adagrad(ElementwiseOptimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_lr(self.name, self.lr)
         check_hyperparameter(self.name, "lr_decay", self.lr_decay, low=0.0)
         check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
@@ -71,7 +74,23 @@ class Adagrad(ElementwiseOptimizer):
         state_sum = ops.addcmul(run.buffers["sum"], g, g, 1, own=run.own_buffers)
         run.buffers["sum"] = state_sum
         std = ops.add_scalar(ops.sqrt(state_sum), h["eps"], own=True)
-        run.p = ops.addcdiv(run.p, g, std, -clr, own=run.own_p, into_zs=True)
+        if run.multi_tensor:
+            # torch.optim's multi-tensor order: the step size multiplies the gradient first.
+            minus_clr = -h["lr"] / (1 + (run.count - 1) * h["lr_decay"])
+            numerator = ops.mul(g, minus_clr, own=run.own_g, in_place_in_torch=run.own_g)
+            run.p = ops.addcdiv(run.p, numerator, std, own=run.own_p, into_zs=True)
+        else:
+            run.p = ops.addcdiv(run.p, g, std, -clr, own=run.own_p, into_zs=True)
+        return {}
+
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        h = run.hyper
+        for p, g, (state_sum,), steps in run.fused_chunks(self.buffer_names):
+            torch._fused_adagrad_(
+                p, g, state_sum, steps,
+                lr=h["lr"], lr_decay=h["lr_decay"], weight_decay=h["weight_decay"],
+                eps=h["eps"], maximize=self.maximize,
+            )  # fmt: skip
         return {}
 
 
@@ -83,6 +102,8 @@ def adagrad(
     eps: Scalar = 1e-10,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> Adagrad:
     """Adagrad, with `torch.optim.Adagrad`'s arguments and numbers (dense gradients).
 
@@ -93,12 +114,19 @@ def adagrad(
         initial_accumulator_value: the starting value of the sum of squared gradients.
         eps: added to the denominator for numerical stability.
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
+        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
+            each leaf; the fastest on the CPU), with its numbers. A differentiated
+            step runs the differentiable path whatever the flags.
 
     Returns:
         An `Adagrad` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -115,4 +143,6 @@ def adagrad(
         initial_accumulator_value=initial_accumulator_value,
         eps=eps,
         maximize=maximize,
+        foreach=foreach,
+        fused=fused,
     )

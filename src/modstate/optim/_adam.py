@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from modstate.optim._base import AdamLike, Betas, LearningRate, Run
+from modstate.optim._base import AdamLike, Betas, LearningRate
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Adam(AdamLike):
     """
 
     name = "adam"
+    has_fused = True
 
     amsgrad: bool = False
     maximize: bool = False
@@ -71,6 +74,18 @@ class Adam(AdamLike):
         run.p = ops.addcdiv(run.p, m, denom, -step_size, own=run.own_p, into_zs=True)
         return {}
 
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        h = run.hyper
+        beta1, beta2 = h["betas"]
+        kernel = torch._fused_adamw_ if self.decoupled_weight_decay else torch._fused_adam_
+        for p, g, (m, v, *v_max), steps in run.fused_chunks(self.buffer_names):
+            kernel(
+                p, g, m, v, v_max[0] if v_max else [], steps,
+                lr=h["lr"], beta1=beta1, beta2=beta2, weight_decay=h["weight_decay"],
+                eps=h["eps"], amsgrad=self.amsgrad, maximize=self.maximize,
+            )  # fmt: skip
+        return {}
+
 
 def adam(
     lr: LearningRate = 1e-3,
@@ -80,6 +95,8 @@ def adam(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
     decoupled_weight_decay: bool = False,
 ) -> Adam:
     """Adam, with `torch.optim.Adam`'s arguments and numbers.
@@ -92,13 +109,20 @@ def adam(
             `decoupled_weight_decay`).
         amsgrad: keep the maximum of the second moment estimates (AMSGrad).
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
+        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
+            each leaf; the fastest on the CPU), with its numbers. A differentiated
+            step runs the differentiable path whatever the flags.
         decoupled_weight_decay: decay the weights directly (AdamW) instead of an L2 penalty.
 
     Returns:
         An `Adam` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -116,6 +140,8 @@ def adam(
         amsgrad=amsgrad,
         maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay,
+        foreach=foreach,
+        fused=fused,
     )
 
 
@@ -127,6 +153,8 @@ def adamw(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> Adam:
     """AdamW (decoupled weight decay), with `torch.optim.AdamW`'s arguments and numbers.
 
@@ -137,12 +165,19 @@ def adamw(
         weight_decay: decoupled weight decay: ``p = p * (1 - lr * weight_decay)`` each step.
         amsgrad: keep the maximum of the second moment estimates (AMSGrad).
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
+        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
+            each leaf; the fastest on the CPU), with its numbers. A differentiated
+            step runs the differentiable path whatever the flags.
 
     Returns:
         An `Adam` optimizer with ``decoupled_weight_decay=True`` (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -160,4 +195,6 @@ def adamw(
         amsgrad=amsgrad,
         maximize=maximize,
         decoupled_weight_decay=True,
+        foreach=foreach,
+        fused=fused,
     )

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._base import AdamLike, Betas, LearningRate, Run
+from modstate.optim._base import AdamLike, Betas, LearningRate
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ def adamax(
     weight_decay: Scalar = 0,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> Adamax:
     """Adamax (Adam with the infinity norm), with `torch.optim.Adamax`'s arguments and numbers.
 
@@ -73,12 +75,16 @@ def adamax(
         eps: added to the denominator for numerical stability.
         weight_decay: L2 penalty, added to the gradient.
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
 
     Returns:
         An `Adamax` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -88,4 +94,6 @@ def adamax(
         >>> params["w"]
         tensor([-0.1000,  0.1000])
     """
-    return Adamax(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+    return Adamax(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach
+    )

@@ -9,15 +9,17 @@ and hands a `Run` (the leaves as lists, the ops, the step count) to the optimize
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from modstate._core.types import Tree
-from modstate.optim._checks import check_betas, check_hyperparameter, check_lr, is_zero
-from modstate.optim._lists import LeafOps, Leaves, Scalar
+from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
+from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
+from modstate.optim._lists import LeafOps, Scalar
+from modstate.optim._run import Run
 from modstate.optim._tree import (
     StepLeaves,
     init_buffers,
@@ -30,74 +32,6 @@ from modstate.optim._tree import (
 LearningRate = Scalar | Callable[[Any], Scalar]
 # Two decay rates (beta1, beta2), each a number or a 0-dim tensor.
 Betas = tuple[Scalar, Scalar]
-
-
-class Run:
-    """One step in progress: the leaves to update as lists, and what the update may do to them.
-
-    `p`, `g` and `buffers` are the gathered lists; an update replaces them with new lists.
-    `donated` says the caller donated params and state (honoured in eager mode only);
-    `own_p` / `own_buffers` say that those lists may be written over (donated, or fresh);
-    `own_g` starts False and the update sets it once `g` is an intermediate of its own.
-    `scalars` holds the 0-dim state entries other than the step counter (NAdam's ``mu_product``).
-    `count` is this step's number, counting from 1: a float, or a 0-dim float64 tensor when it
-    cannot be read for free (under `vmap`, `grad` or `torch.compile`).
-    """
-
-    __slots__ = (
-        "buffers",
-        "count",
-        "donated",
-        "g",
-        "hyper",
-        "ops",
-        "own_buffers",
-        "own_g",
-        "own_p",
-        "p",
-        "scalars",
-    )
-
-    def __init__(
-        self,
-        ops: LeafOps,
-        p: Leaves,
-        g: Leaves,
-        buffers: dict[str, Leaves],
-        count: float | Tensor,
-        hyper: dict[str, Any],
-        scalars: dict[str, Tensor],
-        donate: bool,
-    ) -> None:
-        self.ops = ops
-        self.p, self.g, self.buffers = p, g, buffers
-        self.count = count
-        self.hyper = hyper
-        self.scalars = scalars
-        self.donated = donate and ops.foreach
-        self.own_p = self.own_buffers = self.donated
-        self.own_g = False
-
-    @property
-    def first(self) -> bool | Tensor:
-        """Whether this is the first step (a 0-dim bool tensor when the count is one)."""
-        return self.count == 1
-
-    def begin(self, maximize: bool, *, decoupled_weight_decay: bool = False) -> None:
-        """The lines every torch.optim optimizer begins with: ``g = -g`` if `maximize`, then
-        weight decay, either decoupled (``p = p * (1 - lr * weight_decay)``, AdamW) or as an
-        L2 penalty (``g = g + weight_decay * p``)."""
-        weight_decay = self.hyper["weight_decay"]
-        if maximize:
-            self.g, self.own_g = self.ops.neg(self.g), True
-        if is_zero(weight_decay):
-            return
-        if decoupled_weight_decay:
-            factor = 1 - self.hyper["lr"] * weight_decay
-            self.p, self.own_p = self.ops.mul(self.p, factor, own=self.own_p), True
-        else:
-            self.g = self.ops.add(self.g, self.p, weight_decay, own=self.own_g)
-            self.own_g = True
 
 
 def _resolve(value: Any, count_before: float | Tensor) -> Any:
@@ -124,6 +58,14 @@ class ElementwiseOptimizer:
 
     name: ClassVar[str] = "optimizer"
     scalar_names: ClassVar[tuple[str, ...]] = ()
+    # Whether torch.optim has fused kernels for this optimizer (`fused_update` runs them).
+    has_fused: ClassVar[bool] = False
+
+    foreach: bool | None = field(default=None, kw_only=True)
+    fused: bool | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_kernels(self.name, self.foreach, self.fused, has_fused=self.has_fused)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -136,6 +78,11 @@ class ElementwiseOptimizer:
 
     def update(self, run: Run) -> dict[str, Tensor]:
         """Update `run.p` and `run.buffers`; return the new scalar state (name -> 0-dim)."""
+        raise NotImplementedError
+
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        """`update` with torch's fused kernel, in place on `run.p` and `run.buffers` (which
+        the step owns by then); only for the optimizers with `has_fused`."""
         raise NotImplementedError
 
     def init(self, params: Tree) -> dict[str, Any]:
@@ -213,12 +160,27 @@ class ElementwiseOptimizer:
             if before is not None
             else step.to(device=leaves.device, dtype=scalar_dtype(leaves.device))
         )
-        hyper = {f.name: _resolve(getattr(self, f.name), count_before) for f in fields(self)}
-        ops = LeafOps.for_step(
-            [*leaves.tensors(), step, *scalars.values()], [count_before, *_scalars(hyper)]
+        hyper = {
+            name: _resolve(getattr(self, name), count_before)
+            for name in _hyperparameter_names(type(self))
+        }
+        tensors = [*leaves.tensors(), step, *scalars.values()]
+        if LeafOps.differentiable(tensors, [count_before, *_scalars(hyper)]):
+            kernel = DIFFERENTIABLE
+        else:
+            active = leaves.active_params()
+            kernel = eager_kernel(
+                f"{self.name}.step", self.foreach, self.fused, active, leaves.active_path
+            )
+        # The single-tensor order runs as _foreach_ kernels on the CPU only, where they loop
+        # the very single-tensor ops (elsewhere they are other kernels, with other roundings).
+        eager = kernel != DIFFERENTIABLE and (
+            kernel != SINGLE or all(p.is_cpu for p in leaves.active_params())
         )
+        new_step = step.add_(1) if donate and eager else step + 1
         run = Run(
-            ops,
+            kernel,
+            LeafOps(foreach=eager, multi_tensor=kernel == FOREACH),
             leaves.gather(leaves.params),
             leaves.gather(leaves.grads),
             {n: leaves.gather(leaves.buffers[n]) for n in names},
@@ -226,13 +188,9 @@ class ElementwiseOptimizer:
             hyper,
             scalars,
             donate,
+            new_step,
         )
-        new_scalars = self.update(run)
-        if run.donated:
-            step.add_(1)
-            new_step = step
-        else:
-            new_step = step + 1
+        new_scalars = self.fused_update(run) if kernel == FUSED else self.update(run)
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
         return leaves.rebuild(leaves.params, run.p), new_state
@@ -270,10 +228,26 @@ class AdamLike(ElementwiseOptimizer):
     weight_decay: Scalar = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_lr(self.name, self.lr)
         object.__setattr__(self, "betas", check_betas(self.name, self.betas))
         check_hyperparameter(self.name, "eps", self.eps, low=0.0)
         check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
+
+
+_KERNEL_FLAGS = ("foreach", "fused")
+
+
+_HYPERPARAMETER_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _hyperparameter_names(cls: type) -> tuple[str, ...]:
+    """The dataclass fields of `cls` that are hyperparameters (not the kernel flags), cached."""
+    names = _HYPERPARAMETER_NAMES.get(cls)
+    if names is None:
+        names = tuple(f.name for f in fields(cls) if f.name not in _KERNEL_FLAGS)
+        _HYPERPARAMETER_NAMES[cls] = names
+    return names
 
 
 def _scalars(hyper: dict[str, Any]) -> list[Any]:

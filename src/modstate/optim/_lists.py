@@ -54,6 +54,14 @@ def _number(value: Scalar) -> float:
     return cast(float, value)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as an in-place ``_foreach_mul_`` rounds its scalar."""
+    return torch.tensor(value, dtype=dtype).item()
+
+
 def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
     """A 0-dim hyperparameter in the leaf's dtype, as a fused kernel casts its scalar."""
     return value if value.dtype == like.dtype else value.to(like.dtype)
@@ -62,17 +70,21 @@ def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
 class LeafOps:
     """Elementwise ops on lists of tensors, as `_foreach_*` kernels or as one op per leaf."""
 
-    __slots__ = ("foreach",)
+    __slots__ = ("foreach", "multi_tensor")
 
-    def __init__(self, foreach: bool) -> None:
+    def __init__(self, foreach: bool, *, multi_tensor: bool = False) -> None:
         self.foreach = foreach
+        # torch.optim's multi-tensor order: its scalar multiplications are in-place _foreach_
+        # kernels, which on half-precision leaves round the scalar to the leaf's dtype first.
+        self.multi_tensor = multi_tensor
 
-    @classmethod
-    def for_step(cls, tensors: Iterable[Tensor], scalars: Iterable[object]) -> LeafOps:
-        """`_foreach_*` kernels unless a functorch transform is active or autograd must record."""
+    @staticmethod
+    def differentiable(tensors: Iterable[Tensor], scalars: Iterable[object]) -> bool:
+        """Whether a step must take the differentiable form: a functorch transform is active,
+        autograd must record, or a scalar is a tensor (learnable, batched, or not free to read)."""
         if any(isinstance(s, Tensor) for s in scalars):
-            return cls(foreach=False)
-        return cls(foreach=foreach_allowed(tensors))
+            return True
+        return not foreach_allowed(tensors)
 
     def clone(self, xs: Leaves) -> Leaves:
         if self.foreach:
@@ -92,13 +104,32 @@ class LeafOps:
             return list(torch._foreach_abs(xs))
         return [torch.abs(x) for x in xs]
 
-    def mul(self, xs: Leaves, s: Scalar, *, own: bool = False) -> Leaves:
-        """``x * s`` for a scalar `s`."""
+    def mul(
+        self, xs: Leaves, s: Scalar, *, own: bool = False, in_place_in_torch: bool = True
+    ) -> Leaves:
+        """``x * s`` for a scalar `s`, with the rounding of the torch.optim op it stands for:
+        in the multi-tensor order an in-place ``_foreach_mul_`` (unless `in_place_in_torch` is
+        False), in the single-tensor order ``Tensor.mul_``. They differ on half-precision
+        leaves only, where the in-place foreach kernel multiplies by the scalar rounded to the
+        leaf's dtype."""
         if self.foreach:
+            number = _number(s)
+            half = [x.dtype in _HALF for x in xs]
+            if any(half):
+                if self.multi_tensor and in_place_in_torch:
+                    factors = [_rounded(number, x.dtype) if h else number for x, h in zip(xs, half)]
+                    if own:
+                        torch._foreach_mul_(xs, factors)
+                        return xs
+                    return list(torch._foreach_mul(xs, factors))
+                if own:  # Tensor.mul_'s rounding, which the in-place foreach kernel lacks here
+                    for x in xs:
+                        x.mul_(number)
+                    return xs
             if own:
-                torch._foreach_mul_(xs, s)
+                torch._foreach_mul_(xs, number)
                 return xs
-            return list(torch._foreach_mul(xs, s))
+            return list(torch._foreach_mul(xs, number))
         if isinstance(s, Tensor):
             return [torch.mul(x, _as_dtype(s, x)) for x in xs]
         return [torch.mul(x, s) for x in xs]

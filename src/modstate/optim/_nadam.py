@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._base import AdamLike, Betas, LearningRate, Run
+from modstate.optim._base import AdamLike, Betas, LearningRate
 from modstate.optim._checks import check_hyperparameter
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 from modstate.optim._tree import read_number
 
 
@@ -79,7 +80,10 @@ class NAdam(AdamLike):
         exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
         exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
-        denom = ops.sqrt(ops.div(exp_avg_sq, bias_correction2), own=True)
+        if run.multi_tensor:  # torch.optim's multi-tensor order: sqrt(v) / sqrt(1 - beta2**t)
+            denom = ops.div(ops.sqrt(exp_avg_sq), bias_correction2**0.5, own=True)
+        else:
+            denom = ops.sqrt(ops.div(exp_avg_sq, bias_correction2), own=True)
         denom = ops.add_scalar(denom, eps, own=True)
 
         product = read_number(mu_product)
@@ -105,6 +109,7 @@ def nadam(
     decoupled_weight_decay: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> NAdam:
     """NAdam (Adam with Nesterov momentum), with `torch.optim.NAdam`'s arguments and numbers.
 
@@ -117,12 +122,16 @@ def nadam(
         momentum_decay: the momentum schedule's decay.
         decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
 
     Returns:
         An `NAdam` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -140,4 +149,5 @@ def nadam(
         momentum_decay=momentum_decay,
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
+        foreach=foreach,
     )

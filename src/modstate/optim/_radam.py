@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modstate.optim._base import AdamLike, Betas, LearningRate, Run
-from modstate.optim._lists import Scalar
+from modstate.optim._base import AdamLike, Betas, LearningRate
+from modstate.optim._lists import Leaves, Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class RAdam(AdamLike):
         exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
         exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
+        if run.multi_tensor:
+            run.p = self._multi_tensor_update(run, exp_avg, exp_avg_sq)
+            return {}
 
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
@@ -81,6 +85,30 @@ class RAdam(AdamLike):
         run.p = ops.add(run.p, update, -1.0, own=run.own_p, into=spare)
         return {}
 
+    @staticmethod
+    def _multi_tensor_update(run: Run, exp_avg: Leaves, exp_avg_sq: Leaves) -> Leaves:
+        """The new params in torch.optim's multi-tensor order (an eager step: `t` is a number):
+        ``p + m * u`` with ``u = 1 / ((sqrt(v) + eps) / (sqrt(1 - beta2**t) * -lr * rect /
+        (1 - beta1**t))) - lr * unrectified / (1 - beta1**t)``, where exactly one of `rect` and
+        `unrectified` is non-zero."""
+        h, ops, t = run.hyper, run.ops, float(run.count)
+        lr, (beta1, beta2) = h["lr"], h["betas"]
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * t * (beta2**t) / (1 - beta2**t)
+        rect = 0.0
+        if rho_t > 5:
+            rect = (
+                (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+            ) ** 0.5
+        unrectified = 0 if rect > 0 else 1.0
+        bias_correction1 = 1 - beta1**t
+        unrectified_step = (lr * unrectified / bias_correction1) * -1
+        rectified_step = ((1 - beta2**t) ** 0.5) * (lr * rect / bias_correction1) * -1
+        scale = ops.add_scalar(ops.sqrt(exp_avg_sq), h["eps"], own=True)
+        scale = ops.reciprocal(ops.div(scale, rectified_step, own=True), own=True)
+        scale = ops.add_scalar(scale, unrectified_step, own=True)
+        return ops.addcmul(run.p, exp_avg, scale, own=run.own_p)
+
 
 def radam(
     lr: LearningRate = 1e-3,
@@ -90,6 +118,7 @@ def radam(
     decoupled_weight_decay: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> RAdam:
     """RAdam (rectified Adam), with `torch.optim.RAdam`'s arguments and numbers.
 
@@ -101,12 +130,16 @@ def radam(
             `decoupled_weight_decay`).
         decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
 
     Returns:
         An `RAdam` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -123,4 +156,5 @@ def radam(
         weight_decay=weight_decay,
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
+        foreach=foreach,
     )

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._base import ElementwiseOptimizer, LearningRate, Run
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
 from modstate.optim._checks import check_hyperparameter, check_lr, is_zero
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class RMSprop(ElementwiseOptimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_lr(self.name, self.lr)
         check_hyperparameter(self.name, "alpha", self.alpha, low=0.0)
         check_hyperparameter(self.name, "eps", self.eps, low=0.0)
@@ -97,6 +99,7 @@ def rmsprop(
     centered: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> RMSprop:
     """RMSprop, with `torch.optim.RMSprop`'s arguments and numbers.
 
@@ -108,12 +111,16 @@ def rmsprop(
         momentum: momentum factor; with the number 0 the state keeps no momentum buffer.
         centered: normalize by an estimate of the gradient's variance.
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
 
     Returns:
         An `RMSprop` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -131,4 +138,5 @@ def rmsprop(
         momentum=momentum,
         centered=centered,
         maximize=maximize,
+        foreach=foreach,
     )

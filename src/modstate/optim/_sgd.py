@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from modstate.optim._base import ElementwiseOptimizer, LearningRate, Run
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
 from modstate.optim._checks import check_hyperparameter, check_lr, is_zero
 from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class SGD(ElementwiseOptimizer):
     """
 
     name = "sgd"
+    has_fused = True
 
     lr: LearningRate = 1e-3
     momentum: Scalar = 0.0
@@ -46,6 +49,7 @@ class SGD(ElementwiseOptimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_lr(self.name, self.lr)
         check_hyperparameter(self.name, "momentum", self.momentum, low=0.0)
         check_hyperparameter(self.name, "dampening", self.dampening, low=-float("inf"))
@@ -83,6 +87,18 @@ class SGD(ElementwiseOptimizer):
         run.p = ops.add(run.p, run.g, -h["lr"], own=run.own_p)
         return {}
 
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        h = run.hyper
+        for p, g, buffers, _ in run.fused_chunks(self.buffer_names):
+            momentum_buffers = buffers[0] if buffers else []
+            torch._fused_sgd_(
+                p, g, momentum_buffers,
+                weight_decay=h["weight_decay"], momentum=h["momentum"], lr=h["lr"],
+                dampening=h["dampening"], nesterov=self.nesterov, maximize=self.maximize,
+                is_first_step=bool(run.first) and bool(momentum_buffers),
+            )  # fmt: skip
+        return {}
+
 
 def sgd(
     lr: LearningRate = 1e-3,
@@ -92,6 +108,8 @@ def sgd(
     nesterov: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> SGD:
     """Stochastic gradient descent, with `torch.optim.SGD`'s arguments and numbers.
 
@@ -102,12 +120,19 @@ def sgd(
         weight_decay: L2 penalty, added to the gradient.
         nesterov: Nesterov momentum (needs a momentum and zero dampening).
         maximize: ascend the objective instead of descending it.
+        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
+            ``_foreach_*`` kernel per operation), False its single-tensor one; None
+            (the default) is torch's default for the device. See "Kernels" in
+            `modstate.optim`.
+        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
+            each leaf; the fastest on the CPU), with its numbers. A differentiated
+            step runs the differentiable path whatever the flags.
 
     Returns:
         An `SGD` optimizer (an `Optimizer`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or Nesterov without momentum.
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True, or Nesterov without momentum.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -125,4 +150,6 @@ def sgd(
         weight_decay=weight_decay,
         nesterov=nesterov,
         maximize=maximize,
+        foreach=foreach,
+        fused=fused,
     )

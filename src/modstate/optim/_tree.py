@@ -60,6 +60,11 @@ def _paths(tree: Any) -> list[str]:
     return [dotted(p) for p in optree.tree_paths(tree, none_is_leaf=False)]
 
 
+_FLOATING = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
+
+
 def _not_float(function: str, path: str, leaf: Tensor) -> TypeError:
     return TypeError(
         f"{function}: '{path}': a {leaf.dtype} leaf; an optimizer steps floating-point (or "
@@ -74,6 +79,8 @@ def flatten_params(params: Any, function: str) -> tuple[list[Tensor], optree.PyT
     """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
     leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
     for index, leaf in enumerate(leaves):
+        if type(leaf) is Tensor and leaf.dtype in _FLOATING:
+            continue  # the common case, decided without the slower checks below
         if not isinstance(leaf, Tensor):
             raise TypeError(
                 f"{function}: '{_paths(params)[index]}': a {type(leaf).__name__} leaf, not a "
@@ -184,6 +191,8 @@ class StepLeaves:
         for index, (param, leaf) in enumerate(zip(self.params, leaves)):
             if leaf is None and allow_none:
                 continue
+            if type(leaf) is Tensor and leaf.dtype is param.dtype and leaf.shape == param.shape:
+                continue  # the common case, decided without the slower checks below
             problem = _misfit(param, leaf)
             if problem is not None:
                 path = _paths(self._params_tree)[index]
@@ -207,6 +216,14 @@ class StepLeaves:
             leaves[index] = torch.view_as_complex(value) if self._complex[index] else value
         retie(leaves, self._ties)
         return self._treedef.unflatten(leaves)
+
+    def active_params(self) -> list[Tensor]:
+        """The params that this step updates, as they are (complex ones not viewed as real)."""
+        return [self.params[i] for i in self.active]
+
+    def active_path(self, position: int) -> str:
+        """The dotted path of the `position`-th updated param."""
+        return _paths(self._params_tree)[self.active[position]]
 
     @property
     def device(self) -> torch.device:

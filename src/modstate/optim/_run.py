@@ -1,0 +1,158 @@
+"""`Run`: one optimizer step in progress, as the optimizers' `update` methods see it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from modstate.optim._checks import is_zero
+from modstate.optim._kernels import FOREACH
+from modstate.optim._lists import LeafOps, Leaves
+
+
+class Run:
+    """One step in progress: the leaves to update as lists, and what the update may do to them.
+
+    `p`, `g` and `buffers` are the gathered lists; an update replaces them with new lists.
+    `kernel` is the path the step takes (`modstate.optim._kernels`): ``"fused"``,
+    ``"foreach"``, ``"single"`` or ``"differentiable"``; `ops` runs the elementwise operations
+    in the form that path needs. `donated` says the caller donated params and state (honoured
+    in eager form only); `own_p` / `own_buffers` say that those lists may be written over
+    (donated, or fresh); `own_g` starts False and the update sets it once `g` is an
+    intermediate of its own. `scalars` holds the 0-dim state entries other than the step
+    counter (NAdam's ``mu_product``). `count` is this step's number, counting from 1: a float,
+    or a 0-dim float64 tensor when it cannot be read for free (under `vmap`, `grad` or
+    `torch.compile`); `step` is the new step counter of the state.
+    """
+
+    __slots__ = (
+        "buffers",
+        "count",
+        "donated",
+        "g",
+        "hyper",
+        "kernel",
+        "ops",
+        "own_buffers",
+        "own_g",
+        "own_p",
+        "p",
+        "scalars",
+        "step",
+    )
+
+    def __init__(
+        self,
+        kernel: str,
+        ops: LeafOps,
+        p: Leaves,
+        g: Leaves,
+        buffers: dict[str, Leaves],
+        count: float | Tensor,
+        hyper: dict[str, Any],
+        scalars: dict[str, Tensor],
+        donate: bool,
+        step: Tensor,
+    ) -> None:
+        self.kernel = kernel
+        self.ops = ops
+        self.p, self.g, self.buffers = p, g, buffers
+        self.count = count
+        self.hyper = hyper
+        self.scalars = scalars
+        self.donated = donate and ops.foreach
+        self.own_p = self.own_buffers = self.donated
+        self.own_g = False
+        self.step = step
+
+    @property
+    def first(self) -> bool | Tensor:
+        """Whether this is the first step (a 0-dim bool tensor when the count is one)."""
+        return self.count == 1
+
+    @property
+    def multi_tensor(self) -> bool:
+        """Whether the step follows torch.optim's multi-tensor (foreach) order of operations,
+        which differs from the single-tensor order in a few optimizers."""
+        return self.kernel == FOREACH
+
+    def begin(self, maximize: bool, *, decoupled_weight_decay: bool = False) -> None:
+        """The lines every torch.optim optimizer begins with: ``g = -g`` if `maximize`, then
+        weight decay, either decoupled (``p = p * (1 - lr * weight_decay)``, AdamW) or as an
+        L2 penalty (``g = g + weight_decay * p``)."""
+        weight_decay = self.hyper["weight_decay"]
+        if maximize:
+            self.g, self.own_g = self.ops.neg(self.g), True
+        if is_zero(weight_decay):
+            return
+        if decoupled_weight_decay:
+            factor = 1 - self.hyper["lr"] * weight_decay
+            self.p, self.own_p = self.ops.mul(self.p, factor, own=self.own_p), True
+        else:
+            self.g = self.ops.add(self.g, self.p, weight_decay, own=self.own_g)
+            self.own_g = True
+
+    def fused_chunks(
+        self, names: Sequence[str]
+    ) -> Iterator[tuple[Leaves, Leaves, list[Leaves], list[Tensor]]]:
+        """The leaves as torch's fused kernels take them: ``(params, grads, [one list per
+        buffer in names], state_steps)`` per call, in place on lists the step owns.
+
+        Leaves are grouped by device and dtype, as torch.optim groups them; ``state_steps``
+        is this step's new counter (a float32 tensor on the group's device, what torch.optim's
+        fused state holds after its increment), once per leaf. A donated step is one call per
+        group, on the caller's buffers. A pure step must not write its inputs, so it copies
+        params and buffers first, a chunk of about `_CHUNK_ELEMENTS` at a time, each just
+        before the kernel reads it (the copies are still in the cache then); `p` and `buffers`
+        then hold the copies.
+        """
+        copying = not (self.own_p and self.own_buffers)
+        params, grads = self.p, self.g
+        buffers = [self.buffers[name] for name in names]
+        if copying:
+            params, buffers = list(params), [list(leaves) for leaves in buffers]
+        keys = [(p.device, p.dtype) for p in params]
+        for key in dict.fromkeys(keys):
+            indices = [i for i, k in enumerate(keys) if k == key]
+            step = self.step  # the new step counter: a float32 CPU tensor unless told otherwise
+            if step.dtype != torch.float32 or step.device != key[0]:
+                step = torch.full((), float(self.count), dtype=torch.float32, device=key[0])
+            for chunk in _chunks(indices, params) if copying else [indices]:
+                if copying:
+                    for i in chunk:
+                        params[i] = params[i].clone()
+                        for leaves in buffers:
+                            leaves[i] = leaves[i].clone()
+                if len(chunk) == len(params):
+                    yield params, grads, buffers, [step] * len(chunk)
+                else:
+                    yield (
+                        [params[i] for i in chunk],
+                        [grads[i] for i in chunk],
+                        [[leaves[i] for i in chunk] for leaves in buffers],
+                        [step] * len(chunk),
+                    )
+        self.p, self.own_p = params, True
+        self.buffers.update(zip(names, buffers))
+        self.own_buffers = True
+
+
+# A pure fused step copies about this many elements of params (and as many of each buffer)
+# before each kernel call: a few MB, which stay in the cache until the kernel reads them.
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def _chunks(indices: list[int], leaves: Sequence[Tensor]) -> list[list[int]]:
+    """`indices` in consecutive runs of about `_CHUNK_ELEMENTS` elements of `leaves`."""
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for i in indices:
+        if size >= _CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += leaves[i].numel()
+    return chunks
