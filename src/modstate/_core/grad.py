@@ -15,6 +15,7 @@ left by ``ms.tree.partition``), and a tensor at several paths (a tie) is one inp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -152,20 +153,28 @@ def _positions(name: str, argnums: object, count: int) -> tuple[int, ...]:
 class _Differentiated:
     """One differentiated argument: its tensor leaves (None is an empty subtree), checked."""
 
-    __slots__ = ("leaves", "requires_grad", "treedef")
+    __slots__ = ("leaves", "requires_grad", "tree", "treedef")
 
     def __init__(self, name: str, position: int, tree: Any) -> None:
-        self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        self.tree = tree
+        self.treedef: Any
+        leaves = _plain_leaves(tree)
+        if leaves is not None:  # nested dicts, lists and tuples: walked here, fast
+            self.leaves, self.treedef = leaves, None
+        else:
+            self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
         for index, leaf in enumerate(self.leaves):
+            if type(leaf) is Tensor and leaf.dtype in _DIFFERENTIABLE:
+                continue  # the common case, decided without the slower checks below
             if not isinstance(leaf, Tensor):
                 raise ValueError(
-                    f"{name}: '{_path(tree, index)}': a {type(leaf).__name__} leaf of argument "
+                    f"{name}: '{self.path(index)}': a {type(leaf).__name__} leaf of argument "
                     f"{position}, not a tensor (torch.func differentiates tensors); pass it as "
                     f"another argument, or set it to None (an empty subtree)"
                 )
             if not (leaf.is_floating_point() or leaf.is_complex()):
                 raise RuntimeError(
-                    f"{name}: '{_path(tree, index)}': a {leaf.dtype} leaf of argument "
+                    f"{name}: '{self.path(index)}': a {leaf.dtype} leaf of argument "
                     f"{position}; only floating-point and complex tensors can be differentiated "
                     f"(as with torch.func.grad); differentiate the trainable part only: "
                     f"params, state = ms.split(model, detach=True), with state as another "
@@ -173,13 +182,80 @@ class _Differentiated:
                 )
         self.requires_grad = any(leaf.requires_grad for leaf in self.leaves)
 
+    def path(self, index: int) -> str:
+        """The dotted path of leaf `index` (for errors)."""
+        if self.treedef is None:
+            paths: list[str] = []
+            _plain_paths(self.tree, "", paths)
+            return paths[index]
+        path = optree.tree_paths(self.tree, none_is_leaf=False)[index]
+        return ".".join(str(key) for key in path) or "<root>"
+
     def rebuild(self, leaves: Sequence[Any]) -> Any:
+        if self.treedef is None:
+            return _plain_rebuild(self.tree, iter(leaves))
         return self.treedef.unflatten(leaves)
 
 
-def _path(tree: Any, index: int) -> str:
-    path = optree.tree_paths(tree, none_is_leaf=False)[index]
-    return ".".join(str(key) for key in path) or "<root>"
+def _plain_leaves(tree: Any) -> list[Any] | None:
+    """The tensors of a tree made of plain dicts, lists and tuples (None is an empty subtree),
+    in the order `_plain_rebuild` takes them back; None for any other tree (namedtuples,
+    OrderedDicts, registered nodes, non-tensor leaves), which optree walks instead."""
+    found: list[Any] = []
+
+    def walk(node: Any) -> bool:
+        kind = type(node)
+        if kind is dict:
+            return all(walk(item) for item in node.values())
+        if kind is list or kind is tuple:
+            return all(walk(item) for item in node)
+        if node is None:
+            return True
+        if type(node) is not Tensor:
+            return False  # anything else: optree's walk (and its errors) decide
+        found.append(node)
+        return True
+
+    return found if walk(tree) else None
+
+
+def _plain_rebuild(node: Any, leaves: Any) -> Any:
+    kind = type(node)
+    if kind is dict:
+        return {key: _plain_rebuild(item, leaves) for key, item in node.items()}
+    if kind is list or kind is tuple:
+        return kind(_plain_rebuild(item, leaves) for item in node)
+    if node is None:
+        return None
+    return next(leaves)
+
+
+def _plain_paths(node: Any, prefix: str, paths: list[str]) -> None:
+    """The dotted paths of `_plain_leaves`'s leaves, in its order."""
+    items = (
+        node.items()
+        if type(node) is dict
+        else enumerate(node)
+        if type(node) in (list, tuple)
+        else None
+    )
+    if items is None:
+        if node is not None:
+            paths.append(prefix[:-1] or "<root>")
+        return
+    for key, item in items:
+        _plain_paths(item, f"{prefix}{key}.", paths)
+
+
+_DIFFERENTIABLE = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
+
+
+def _grad_enabled() -> Any:
+    """Grad mode on for the call (``grad`` ignores an outer ``torch.no_grad()``, as
+    ``torch.func.grad`` does); no context switch when it is on already."""
+    return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
 
 
 def _split_output(name: str, output: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -220,10 +296,21 @@ def _call_on_leaves(
     return fn(*call_args, **kwargs)
 
 
-def _detached(tree: Any) -> Any:
-    return optree.tree_map(
-        lambda leaf: leaf.detach() if isinstance(leaf, Tensor) else leaf, tree, none_is_leaf=True
-    )
+def _detached(value: Any) -> Any:
+    """`value` with every tensor that requires grad detached; the very same object when none
+    does (the common case: new statistics, metrics), containers copied only where needed."""
+    if isinstance(value, Tensor):
+        return value.detach() if value.requires_grad else value
+    if type(value) is dict:
+        changed = {key: _detached(item) for key, item in value.items()}
+        return value if all(changed[key] is item for key, item in value.items()) else changed
+    if type(value) in (list, tuple):
+        items = [_detached(item) for item in value]
+        unchanged = all(new is old for new, old in zip(items, value))
+        return value if unchanged else type(value)(items)
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return value
+    return optree.tree_map(_detached, value, none_is_leaf=True)  # other pytree nodes
 
 
 def _with_autograd(
@@ -249,7 +336,7 @@ def _with_autograd(
             tree_slots.append(slot)
         slots.append(tree_slots)
     leaf_lists = [[inputs[slot] for slot in tree_slots] for tree_slots in slots]
-    with torch.enable_grad():
+    with _grad_enabled():
         result = _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
         output, aux = _split_output(name, result, has_aux)
         found: Sequence[Tensor | None] = (

@@ -151,9 +151,11 @@ class StepLeaves:
     """
 
     __slots__ = (
+        "_all_real",
         "_complex",
         "_function",
         "_params_tree",
+        "_signature",
         "_ties",
         "_treedef",
         "active",
@@ -173,6 +175,7 @@ class StepLeaves:
         self._params_tree = params
         self._function = f"{owner}.step"
         self.params, self._treedef = flatten_params(params, self._function)
+        self._signature = [(leaf.shape, leaf.dtype) for leaf in self.params]
         self.grads = self._leaves_like(grads, "grads", allow_none=True)
         self.buffers = {
             name: self._leaves_like(state[name], f"state[{name!r}]", allow_none=False)
@@ -182,17 +185,24 @@ class StepLeaves:
         repeated = {index for index, _ in self._ties}
         self.active = [i for i, g in enumerate(self.grads) if g is not None and i not in repeated]
         self._complex = [leaf.is_complex() for leaf in self.params]
+        # Every leaf stepped, none complex: gather is a copy of the list.
+        self._all_real = len(self.active) == len(self.params) and not any(self._complex)
 
     def _leaves_like(self, tree: Any, what: str, *, allow_none: bool) -> list[Any]:
         try:
             leaves = self._treedef.flatten_up_to(tree)
         except (ValueError, TypeError):
             raise ValueError(mismatch(self._function, self._params_tree, tree, what)) from None
+        try:  # the common case: every leaf a tensor of its param's shape and dtype
+            if [(leaf.shape, leaf.dtype) for leaf in leaves] == self._signature:
+                return leaves
+        except AttributeError:  # a None (or other) leaf: the checks below say which
+            pass
         for index, (param, leaf) in enumerate(zip(self.params, leaves)):
             if leaf is None and allow_none:
                 continue
             if type(leaf) is Tensor and leaf.dtype is param.dtype and leaf.shape == param.shape:
-                continue  # the common case, decided without the slower checks below
+                continue
             problem = _misfit(param, leaf)
             if problem is not None:
                 path = _paths(self._params_tree)[index]
@@ -203,6 +213,8 @@ class StepLeaves:
         return leaves
 
     def gather(self, leaves: Sequence[Tensor | None]) -> Leaves:
+        if self._all_real:
+            return list(leaves)  # type: ignore[arg-type]  # every leaf is active: no None
         gathered = []
         for i in self.active:
             leaf = leaves[i]
