@@ -174,3 +174,23 @@ def test_the_default_is_torchs_default_for_the_device():
         results.append(leaves(p))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["", "donate"])
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_steps_take_gradients_in_any_memory_layout(name, donate):
+    """torch's fused kernels walk param, gradient and state memory in step, and torch.optim's
+    gradients always share their param's layout; ``torch.autograd.grad`` (so ``ms.grad``) may
+    return a transposed view (a batched matmul's gradient). The step lays them out first."""
+    kwargs = {"lr": 0.1, "fused": True, **({"momentum": 0.9} if name == "sgd" else {})}
+    opt = getattr(optim, name)(**kwargs)
+    generator = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(4, 6, 5, generator=generator)}
+    transposed = {"w": torch.randn(4, 5, 6, generator=generator).transpose(1, 2)}
+    assert not transposed["w"].is_contiguous()
+    contiguous = {"w": transposed["w"].contiguous()}
+    want, want_state = opt.step(params, contiguous, opt.init(params))
+    got, got_state = opt.step(ms.tree.clone(params), transposed, opt.init(params), donate=donate)
+    assert torch.equal(got["w"], want["w"])
+    for a, b in zip(leaves(got_state), leaves(want_state)):
+        assert torch.equal(a, b)

@@ -114,6 +114,7 @@ class Run:
         buffers = [self.buffers[name] for name in names]
         if copying:
             params, buffers = list(params), [list(leaves) for leaves in buffers]
+        grads = _aligned(params, grads, buffers)
         keys = [(p.device, p.dtype) for p in params]
         for key in dict.fromkeys(keys):
             indices = [i for i, k in enumerate(keys) if k == key]
@@ -138,6 +139,35 @@ class Run:
         self.p, self.own_p = params, True
         self.buffers.update(zip(names, buffers))
         self.own_buffers = True
+
+
+def _aligned(params: Leaves, grads: Leaves, buffers: list[Leaves]) -> Leaves:
+    """Make every leaf's gradient and buffers share its param's memory layout, as the fused
+    kernels need: they walk the three tensors' memory in step, and torch.optim's gradients
+    always match their param's layout (autograd's gradient layout contract), where a gradient
+    from ``torch.autograd.grad`` (a batched matmul's, say) may be a transposed view. A param
+    that is not dense is replaced by a contiguous copy first. Returns the grads (a new list
+    where one was copied); params and buffers are updated in their lists."""
+    aligned = grads
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        stride = param.stride()
+        if grad.stride() == stride and all(leaves[i].stride() == stride for leaves in buffers):
+            continue
+        if torch.empty_like(param).stride() != stride:  # not dense (a view with gaps)
+            params[i] = param = param.contiguous()
+            stride = param.stride()
+        if aligned is grads:
+            aligned = list(grads)
+        aligned[i] = _laid_out_like(param, grad)
+        for leaves in buffers:
+            leaves[i] = _laid_out_like(param, leaves[i])
+    return aligned
+
+
+def _laid_out_like(param: Tensor, value: Tensor) -> Tensor:
+    if value.stride() == param.stride():
+        return value
+    return torch.empty_like(param).copy_(value)
 
 
 # A pure fused step copies about this many elements of params (and as many of each buffer)
