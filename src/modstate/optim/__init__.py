@@ -76,11 +76,12 @@ snapshot or a second look at the old params needs. It costs the donated step plu
 memory for every tree it returns (params and each buffer: three trees for Adam). On the CPU
 fresh memory is expensive: the allocator hands large blocks back to the OS when they are freed,
 so each new block is mapped again and page-faulted on first touch, about 55 us per MB measured
-on a 2-core server (a 1.05 M-parameter model's Adam step returns 12.6 MB: about 0.7 ms, twice
-the fused step itself). A pure fused step also copies params and state before the in-place
-kernel reads them (chunk by chunk, so the copies are still in the cache). On a GPU the caching
-allocator reuses freed blocks, so fresh trees cost little more than the kernels' own memory
-traffic; the difference between pure and donated is then small. The benchmark prints the
+on a 2-core server, and up to several times that when the machine is busy (a 1.05 M-parameter
+model's Adam step returns 12.6 MB: about 0.7 ms, twice the fused step itself). torch's fused
+kernels work in place, so a pure fused step first copies params and state into the new trees,
+which adds one read of them. On a GPU the caching allocator reuses freed blocks, so fresh trees
+cost little more than the kernels' own memory traffic; the difference between pure and donated
+is then small. The benchmark prints the
 "allocation floor" (allocating and first-touching the returned trees) beside the pure step.
 This library never changes process-global allocator settings.
 

@@ -85,7 +85,7 @@ class Adagrad(ElementwiseOptimizer):
 
     def fused_update(self, run: Run) -> dict[str, Tensor]:
         h = run.hyper
-        for p, g, (state_sum,), steps in run.fused_chunks(self.buffer_names):
+        for p, g, (state_sum,), steps in run.fused_groups(self.buffer_names):
             torch._fused_adagrad_(
                 p, g, state_sum, steps,
                 lr=h["lr"], lr_decay=h["lr_decay"], weight_decay=h["weight_decay"],

@@ -78,7 +78,7 @@ class Adam(AdamLike):
         h = run.hyper
         beta1, beta2 = h["betas"]
         kernel = torch._fused_adamw_ if self.decoupled_weight_decay else torch._fused_adam_
-        for p, g, (m, v, *v_max), steps in run.fused_chunks(self.buffer_names):
+        for p, g, (m, v, *v_max), steps in run.fused_groups(self.buffer_names):
             kernel(
                 p, g, m, v, v_max[0] if v_max else [], steps,
                 lr=h["lr"], beta1=beta1, beta2=beta2, weight_decay=h["weight_decay"],

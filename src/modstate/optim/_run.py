@@ -95,7 +95,7 @@ class Run:
             self.g = self.ops.add(self.g, self.p, weight_decay, own=self.own_g)
             self.own_g = True
 
-    def fused_chunks(
+    def fused_groups(
         self, names: Sequence[str]
     ) -> Iterator[tuple[Leaves, Leaves, list[Leaves], list[Tensor]]]:
         """The leaves as torch's fused kernels take them: ``(params, grads, [one list per
@@ -103,39 +103,32 @@ class Run:
 
         Leaves are grouped by device and dtype, as torch.optim groups them; ``state_steps``
         is this step's new counter (a float32 tensor on the group's device, what torch.optim's
-        fused state holds after its increment), once per leaf. A donated step is one call per
-        group, on the caller's buffers. A pure step must not write its inputs, so it copies
-        params and buffers first, a chunk of about `_CHUNK_ELEMENTS` at a time, each just
-        before the kernel reads it (the copies are still in the cache then); `p` and `buffers`
-        then hold the copies.
+        fused state holds after its increment), once per leaf. A donated step runs on the
+        caller's buffers. A pure step must not write its inputs, so it copies params and
+        buffers first (`p` and `buffers` then hold the copies); copying in cache-sized chunks
+        just before the kernel reads them was measured no faster.
         """
-        copying = not (self.own_p and self.own_buffers)
         params, grads = self.p, self.g
         buffers = [self.buffers[name] for name in names]
-        if copying:
-            params, buffers = list(params), [list(leaves) for leaves in buffers]
+        if not (self.own_p and self.own_buffers):
+            params = [leaf.clone() for leaf in params]
+            buffers = [[leaf.clone() for leaf in leaves] for leaves in buffers]
         grads = _aligned(params, grads, buffers)
         keys = [(p.device, p.dtype) for p in params]
         for key in dict.fromkeys(keys):
-            indices = [i for i, k in enumerate(keys) if k == key]
             step = self.step  # the new step counter: a float32 CPU tensor unless told otherwise
             if step.dtype != torch.float32 or step.device != key[0]:
                 step = torch.full((), float(self.count), dtype=torch.float32, device=key[0])
-            for chunk in _chunks(indices, params) if copying else [indices]:
-                if copying:
-                    for i in chunk:
-                        params[i] = params[i].clone()
-                        for leaves in buffers:
-                            leaves[i] = leaves[i].clone()
-                if len(chunk) == len(params):
-                    yield params, grads, buffers, [step] * len(chunk)
-                else:
-                    yield (
-                        [params[i] for i in chunk],
-                        [grads[i] for i in chunk],
-                        [[leaves[i] for i in chunk] for leaves in buffers],
-                        [step] * len(chunk),
-                    )
+            indices = [i for i, k in enumerate(keys) if k == key]
+            if len(indices) == len(params):
+                yield params, grads, buffers, [step] * len(indices)
+            else:
+                yield (
+                    [params[i] for i in indices],
+                    [grads[i] for i in indices],
+                    [[leaves[i] for i in indices] for leaves in buffers],
+                    [step] * len(indices),
+                )
         self.p, self.own_p = params, True
         self.buffers.update(zip(names, buffers))
         self.own_buffers = True
@@ -168,21 +161,3 @@ def _laid_out_like(param: Tensor, value: Tensor) -> Tensor:
     if value.stride() == param.stride():
         return value
     return torch.empty_like(param).copy_(value)
-
-
-# A pure fused step copies about this many elements of params (and as many of each buffer)
-# before each kernel call: a few MB, which stay in the cache until the kernel reads them.
-_CHUNK_ELEMENTS = 1 << 18
-
-
-def _chunks(indices: list[int], leaves: Sequence[Tensor]) -> list[list[int]]:
-    """`indices` in consecutive runs of about `_CHUNK_ELEMENTS` elements of `leaves`."""
-    chunks: list[list[int]] = [[]]
-    size = 0
-    for i in indices:
-        if size >= _CHUNK_ELEMENTS:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(i)
-        size += leaves[i].numel()
-    return chunks

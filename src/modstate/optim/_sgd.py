@@ -89,7 +89,7 @@ class SGD(ElementwiseOptimizer):
 
     def fused_update(self, run: Run) -> dict[str, Tensor]:
         h = run.hyper
-        for p, g, buffers, _ in run.fused_chunks(self.buffer_names):
+        for p, g, buffers, _ in run.fused_groups(self.buffer_names):
             momentum_buffers = buffers[0] if buffers else []
             torch._fused_sgd_(
                 p, g, momentum_buffers,
