@@ -202,3 +202,30 @@ def test_fused_steps_take_gradients_in_any_memory_layout(name, donate):
     assert torch.equal(got["w"], want["w"])
     for a, b in zip(leaves(got_state), leaves(want_state)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flags", [{"foreach": True}, {"foreach": False}], ids=str)
+@pytest.mark.parametrize(("name", "factory", "torch_class", "options"), CASES[::2], ids=str)
+def test_large_trees_stepped_chunk_by_chunk_keep_torchs_numbers(
+    name, factory, torch_class, options, flags
+):
+    """An eager step runs its update a chunk of leaves at a time (cache-sized, as torch's
+    single-tensor loop runs one param at a time); the numbers stay torch.optim's."""
+    generator = torch.Generator().manual_seed(7)
+    shapes = [(300, 300), (300,), (7,), (200, 400), (5, 5), (100, 700)]
+    pure = {f"p{i}": torch.randn(shape, generator=generator) for i, shape in enumerate(shapes)}
+    donated = ms.tree.clone(pure)
+    torch_params = [p.clone().requires_grad_() for p in pure.values()]
+    torch_opt = torch_class(torch_params, **options, **flags)
+    opt = factory(**options, **flags)
+    pure_state, donated_state = opt.init(pure), opt.init(donated)
+    for step in range(4):
+        grads = ms.tree.map(lambda p: torch.randn(p.shape, generator=generator), pure)
+        for param, grad in zip(torch_params, grads.values()):
+            param.grad = grad.clone()
+        torch_opt.step()
+        pure, pure_state = opt.step(pure, grads, pure_state)
+        donated, donated_state = opt.step(donated, grads, donated_state, donate=True)
+        for ours, again, theirs in zip(pure.values(), donated.values(), torch_params):
+            assert torch.equal(ours, theirs.detach()), f"{name} differs at step {step + 1}"
+            assert torch.equal(again, theirs.detach()), f"donated, at step {step + 1}"

@@ -190,10 +190,30 @@ class ElementwiseOptimizer:
             donate,
             new_step,
         )
-        new_scalars = self.fused_update(run) if kernel == FUSED else self.update(run)
+        if kernel == FUSED:
+            new_scalars = self.fused_update(run)
+        elif eager and len(run.p) > 1:
+            new_scalars = self._update_in_chunks(run)
+        else:
+            new_scalars = self.update(run)
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
         return leaves.rebuild(leaves.params, run.p), new_state
+
+    def _update_in_chunks(self, run: Run) -> dict[str, Tensor]:
+        """`update`, a chunk of leaves at a time (one large leaf, or several small ones): each
+        operation then finds its operands still in the cache, as torch.optim's single-tensor
+        loop does, where one ``_foreach_*`` kernel over all leaves would stream every tree
+        through memory once per operation. Same numbers: the update is elementwise."""
+        bounds = _chunk_bounds(run.p)
+        if len(bounds) == 1:
+            return self.update(run)
+        parts = [run.chunk(start, stop) for start, stop in bounds]
+        new_scalars: dict[str, Tensor] = {}
+        for part in parts:
+            new_scalars = self.update(part)
+        run.join(parts)
+        return new_scalars
 
     def _check_state(self, state: object, names: tuple[str, ...]) -> Tensor:
         if not isinstance(state, Mapping):
@@ -233,6 +253,24 @@ class AdamLike(ElementwiseOptimizer):
         object.__setattr__(self, "betas", check_betas(self.name, self.betas))
         check_hyperparameter(self.name, "eps", self.eps, low=0.0)
         check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
+
+
+# A chunk of an eager step holds at least this many elements: one leaf this large, or several
+# smaller ones together (fewer, larger kernels where the leaves are small).
+_CHUNK_ELEMENTS = 1 << 16
+
+
+def _chunk_bounds(leaves: list[Tensor]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks of `leaves`, each of about `_CHUNK_ELEMENTS`."""
+    bounds, start, size = [], 0, 0
+    for index, leaf in enumerate(leaves):
+        size += leaf.numel()
+        if size >= _CHUNK_ELEMENTS:
+            bounds.append((start, index + 1))
+            start, size = index + 1, 0
+    if start < len(leaves):
+        bounds.append((start, len(leaves)))
+    return bounds
 
 
 _KERNEL_FLAGS = ("foreach", "fused")

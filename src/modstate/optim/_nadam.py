@@ -57,14 +57,21 @@ class NAdam(AdamLike):
         return ("exp_avg", "exp_avg_sq")
 
     def _mu_product(self, run: Run, mu: Scalar) -> Tensor:
+        """This step's product of the momentum factors, computed once per step (a step that
+        runs its update chunk by chunk asks for it once per chunk)."""
+        found = run.once.get("mu_product")
+        if found is not None:
+            return found
         product = run.scalars["mu_product"]
         if run.donated:
             product.mul_(mu)
-            return product
-        if isinstance(mu, Tensor):
+        elif isinstance(mu, Tensor):
             # As the kernel does with a number: the factor in the product's dtype first.
-            return product * mu.to(product.dtype)
-        return product * mu
+            product = product * mu.to(product.dtype)
+        else:
+            product = product * mu
+        run.once["mu_product"] = product
+        return product
 
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own, t = run.hyper, run.ops, run.own_buffers, run.count

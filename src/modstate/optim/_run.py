@@ -35,6 +35,7 @@ class Run:
         "g",
         "hyper",
         "kernel",
+        "once",
         "ops",
         "own_buffers",
         "own_g",
@@ -67,6 +68,31 @@ class Run:
         self.own_p = self.own_buffers = self.donated
         self.own_g = False
         self.step = step
+        self.once: dict[str, Any] = {}  # what a step computes once, shared by its chunks
+
+    def chunk(self, start: int, stop: int) -> Run:
+        """The same step on leaves ``start:stop`` (the update is elementwise, so running it chunk
+        by chunk gives the same numbers); what it computes once is shared."""
+        part = Run(
+            self.kernel,
+            self.ops,
+            self.p[start:stop],
+            self.g[start:stop],
+            {name: leaves[start:stop] for name, leaves in self.buffers.items()},
+            self.count,
+            self.hyper,
+            self.scalars,
+            self.donated,
+            self.step,
+        )
+        part.once = self.once
+        return part
+
+    def join(self, parts: Sequence[Run]) -> None:
+        """Take the updated leaves of `parts` (consecutive chunks of this step) back."""
+        self.p = [leaf for part in parts for leaf in part.p]
+        for name in self.buffers:
+            self.buffers[name] = [leaf for part in parts for leaf in part.buffers[name]]
 
     @property
     def first(self) -> bool | Tensor:
