@@ -109,13 +109,10 @@ def adam(
             `decoupled_weight_decay`).
         amsgrad: keep the maximum of the second moment estimates (AMSGrad).
         maximize: ascend the objective instead of descending it.
-        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
-            ``_foreach_*`` kernel per operation), False its single-tensor one; None
-            (the default) is torch's default for the device. See "Kernels" in
-            `modstate.optim`.
-        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
-            each leaf; the fastest on the CPU), with its numbers. A differentiated
-            step runs the differentiable path whatever the flags.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
         decoupled_weight_decay: decay the weights directly (AdamW) instead of an L2 penalty.
 
     Returns:
@@ -165,13 +162,10 @@ def adamw(
         weight_decay: decoupled weight decay: ``p = p * (1 - lr * weight_decay)`` each step.
         amsgrad: keep the maximum of the second moment estimates (AMSGrad).
         maximize: ascend the objective instead of descending it.
-        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
-            ``_foreach_*`` kernel per operation), False its single-tensor one; None
-            (the default) is torch's default for the device. See "Kernels" in
-            `modstate.optim`.
-        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
-            each leaf; the fastest on the CPU), with its numbers. A differentiated
-            step runs the differentiable path whatever the flags.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
 
     Returns:
         An `Adam` optimizer with ``decoupled_weight_decay=True`` (an `Optimizer`).

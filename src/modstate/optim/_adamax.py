@@ -75,10 +75,9 @@ def adamax(
         eps: added to the denominator for numerical stability.
         weight_decay: L2 penalty, added to the gradient.
         maximize: ascend the objective instead of descending it.
-        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
-            ``_foreach_*`` kernel per operation), False its single-tensor one; None
-            (the default) is torch's default for the device. See "Kernels" in
-            `modstate.optim`.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
 
     Returns:
         An `Adamax` optimizer (an `Optimizer`).

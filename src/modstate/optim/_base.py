@@ -8,6 +8,7 @@ and hands a `Run` (the leaves as lists, the ops, the step count) to the optimize
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -34,8 +35,13 @@ LearningRate = Scalar | Callable[[Any], Scalar]
 Betas = tuple[Scalar, Scalar]
 
 
+_NUMBERS = (float, int, bool)
+
+
 def _resolve(value: Any, count_before: float | Tensor) -> Any:
     """A hyperparameter for this step: a schedule evaluated, a free-to-read tensor as a number."""
+    if type(value) in _NUMBERS:
+        return value  # the common case
     if isinstance(value, tuple):
         return tuple(_resolve(item, count_before) for item in value)
     if callable(value) and not isinstance(value, Tensor):
@@ -165,19 +171,18 @@ class ElementwiseOptimizer:
             for name in _hyperparameter_names(type(self))
         }
         tensors = [*leaves.tensors(), step, *scalars.values()]
+        active = leaves.active_params()
         if LeafOps.differentiable(tensors, [count_before, *_scalars(hyper)]):
             kernel = DIFFERENTIABLE
         else:
-            active = leaves.active_params()
             kernel = eager_kernel(
                 f"{self.name}.step", self.foreach, self.fused, active, leaves.active_path
             )
         # The single-tensor order runs as _foreach_ kernels on the CPU only, where they loop
         # the very single-tensor ops (elsewhere they are other kernels, with other roundings).
-        eager = kernel != DIFFERENTIABLE and (
-            kernel != SINGLE or all(p.is_cpu for p in leaves.active_params())
-        )
-        new_step = step.add_(1) if donate and eager else step + 1
+        eager = kernel != DIFFERENTIABLE and (kernel != SINGLE or all(p.is_cpu for p in active))
+        one = _one()  # a tensor: an int would be wrapped into one on every call
+        new_step = step.add_(one) if donate and eager else step + one
         run = Run(
             kernel,
             LeafOps(foreach=eager, multi_tensor=kernel == FOREACH),
@@ -271,6 +276,12 @@ def _chunk_bounds(leaves: list[Tensor]) -> list[tuple[int, int]]:
     if start < len(leaves):
         bounds.append((start, len(leaves)))
     return bounds
+
+
+@functools.cache
+def _one() -> Tensor:
+    """A 0-dim 1.0 to count steps with (float32; the counter keeps its own dtype)."""
+    return torch.ones((), dtype=torch.float32)
 
 
 _KERNEL_FLAGS = ("foreach", "fused")

@@ -129,10 +129,9 @@ def nadam(
         momentum_decay: the momentum schedule's decay.
         decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
         maximize: ascend the objective instead of descending it.
-        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
-            ``_foreach_*`` kernel per operation), False its single-tensor one; None
-            (the default) is torch's default for the device. See "Kernels" in
-            `modstate.optim`.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
 
     Returns:
         An `NAdam` optimizer (an `Optimizer`).

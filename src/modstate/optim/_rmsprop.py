@@ -111,10 +111,9 @@ def rmsprop(
         momentum: momentum factor; with the number 0 the state keeps no momentum buffer.
         centered: normalize by an estimate of the gradient's variance.
         maximize: ascend the objective instead of descending it.
-        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
-            ``_foreach_*`` kernel per operation), False its single-tensor one; None
-            (the default) is torch's default for the device. See "Kernels" in
-            `modstate.optim`.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
 
     Returns:
         An `RMSprop` optimizer (an `Optimizer`).

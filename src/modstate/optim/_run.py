@@ -167,6 +167,11 @@ def _aligned(params: Leaves, grads: Leaves, buffers: list[Leaves]) -> Leaves:
     from ``torch.autograd.grad`` (a batched matmul's, say) may be a transposed view. A param
     that is not dense is replaced by a contiguous copy first. Returns the grads (a new list
     where one was copied); params and buffers are updated in their lists."""
+    strides = [param.stride() for param in params]
+    if [grad.stride() for grad in grads] == strides and all(
+        [leaf.stride() for leaf in leaves] == strides for leaves in buffers
+    ):
+        return grads  # the common case: every layout matches already
     aligned = grads
     for i, (param, grad) in enumerate(zip(params, grads)):
         stride = param.stride()

@@ -120,13 +120,10 @@ def sgd(
         weight_decay: L2 penalty, added to the gradient.
         nesterov: Nesterov momentum (needs a momentum and zero dampening).
         maximize: ascend the objective instead of descending it.
-        foreach: torch.optim's flag: True runs its multi-tensor algorithm (one
-            ``_foreach_*`` kernel per operation), False its single-tensor one; None
-            (the default) is torch's default for the device. See "Kernels" in
-            `modstate.optim`.
-        fused: torch.optim's flag: True runs torch's fused kernel (one pass over
-            each leaf; the fastest on the CPU), with its numbers. A differentiated
-            step runs the differentiable path whatever the flags.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
 
     Returns:
         An `SGD` optimizer (an `Optimizer`).

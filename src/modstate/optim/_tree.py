@@ -43,7 +43,7 @@ def new_scalar(value: float = 0.0) -> Tensor:
 def read_number(value: Tensor) -> float | None:
     """The value as a number when reading it is free (a CPU tensor, no transform, no trace)."""
     if (
-        value.device.type != "cpu"
+        not value.is_cpu
         or value.requires_grad
         or functorch_active()
         or torch.compiler.is_compiling()
@@ -120,11 +120,9 @@ def init_buffers(
     return {name: tree_of(name) for name in names}
 
 
-def _walk_order(params: Any, leaves: list[Tensor]) -> list[int] | None:
+def _walk_order(params: Any, leaves: list[Tensor]) -> list[int]:
     """The positions of optree's ``leaves`` (sorted dict keys) in the tree's walk order (dict
-    insertion order, which is module order for trees from ``extract``); None without ties."""
-    if not has_ties(leaves):
-        return None
+    insertion order, which is module order for trees from ``extract``)."""
     rank = {path: i for i, (path, _) in enumerate(leaves_with_paths(params))}
     paths = _paths(params)
     return sorted(range(len(leaves)), key=lambda index: rank[paths[index]])
@@ -181,7 +179,8 @@ class StepLeaves:
             name: self._leaves_like(state[name], f"state[{name!r}]", allow_none=False)
             for name in buffer_names
         }
-        self._ties = tie_pairs(self.params, _walk_order(params, self.params))
+        tied = has_ties(self.params)
+        self._ties = tie_pairs(self.params, _walk_order(params, self.params)) if tied else []
         repeated = {index for index, _ in self._ties}
         self.active = [i for i, g in enumerate(self.grads) if g is not None and i not in repeated]
         self._complex = [leaf.is_complex() for leaf in self.params]
@@ -226,7 +225,8 @@ class StepLeaves:
         leaves = list(full)
         for index, value in zip(self.active, updated):
             leaves[index] = torch.view_as_complex(value) if self._complex[index] else value
-        retie(leaves, self._ties)
+        if self._ties:
+            retie(leaves, self._ties)
         return self._treedef.unflatten(leaves)
 
     def active_params(self) -> list[Tensor]:
