@@ -230,10 +230,9 @@ def ratio_table(request):
         lines += [f"**{row}**", "", "| implementation | time |", "|---|---|"]
         lines += [f"| {impl} | {time} |" for impl, time in entries.items() if impl != "ratio"]
         lines += [f"| **modstate ratio** | **{entries['ratio']}** |", ""]
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    write = reporter.write_line if reporter is not None else print
-    for line in lines:
-        write(line)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # shown without -s
+        print("\n".join(lines))
 
 
 def _loops(x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], Any]]:
