@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import modstate as ms
+from _tables import show, us
 from modstate import optim
 
 MODEL = "4x Linear(512,512)"
@@ -125,13 +126,7 @@ def ratio_table(request):
             f" | {row.get('donated ratio', '–')} | {row.get('floor', '–')}"
             f" | {row.get('pure', '–')} | {row.get('pure ratio', '–')} |"
         )
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():  # shown without -s
-        print("\n".join(lines))
-
-
-def _us(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} µs"
+    show(request, lines)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -154,13 +149,13 @@ def test_step_donated(compare, case):
         return
     row = ROWS.setdefault(case, {})
     for name in flags:
-        row[f"torch {name}"] = _us(stats[f"torch.optim ({name})"]["min"])
+        row[f"torch {name}"] = us(stats[f"torch.optim ({name})"]["min"])
     impl, ms_min = fastest(stats, "modstate", "min")
     _, torch_min = fastest(stats, "torch.optim", "min")
     _, ms_median = fastest(stats, "modstate", "median")
     _, torch_median = fastest(stats, "torch.optim", "median")
     label = ours if impl == "modstate" else impl[len("modstate (") : -1]
-    row["donated"] = f"{_us(ms_min)} ({label})"
+    row["donated"] = f"{us(ms_min)} ({label})"
     row["donated ratio"] = f"{ms_min / torch_min:.2f}x [{ms_median / torch_median:.2f}x]"
 
 
@@ -191,8 +186,8 @@ def test_step_pure(compare, case):
     _, torch_min = fastest(stats, "torch.optim", "min")
     _, torch_median = fastest(stats, "torch.optim", "median")
     label = ours if impl == "modstate" else impl[len("modstate (") : -1]
-    row["floor"] = _us(floor["min"])
-    row["pure"] = f"{_us(pure_min)} ({label})"
+    row["floor"] = us(floor["min"])
+    row["pure"] = f"{us(pure_min)} ({label})"
     row["pure ratio"] = (
         f"{pure_min / (torch_min + floor['min']):.2f}x "
         f"[{pure_median / (torch_median + floor['median']):.2f}x]"

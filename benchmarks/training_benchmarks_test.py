@@ -40,6 +40,7 @@ from torch import nn
 from torch.func import functional_call, grad, stack_module_state
 
 import modstate as ms
+from _tables import show, us
 
 MEMBERS, BATCH, LR = 8, 64, 1e-3
 LOOP = "loop of 8 modules + torch.optim.Adam"
@@ -199,17 +200,13 @@ def _check_one_step_matches_the_loop(x: torch.Tensor, y: torch.Tensor) -> None:
         torch.testing.assert_close(got_fe[f"stacked.{path}"], want, atol=1e-5, rtol=1e-4)
 
 
-def _us(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
-
-
 def _record(row: str, stats: dict[str, dict[str, float]] | None, reference: Callable) -> None:
     """Keep a table row: each entry's min, and modstate's ratio to ``reference(stats)``."""
     if stats is None:
         return
     want_min, want_median = reference(stats, "min"), reference(stats, "median")
     ROWS[row] = {
-        **{impl: _us(entry["min"]) for impl, entry in stats.items()},
+        **{impl: us(entry["min"]) for impl, entry in stats.items()},
         "ratio": f"{stats['modstate']['min'] / want_min:.2f}x "
         f"[{stats['modstate']['median'] / want_median:.2f}x]",
     }
@@ -230,9 +227,7 @@ def ratio_table(request):
         lines += [f"**{row}**", "", "| implementation | time |", "|---|---|"]
         lines += [f"| {impl} | {time} |" for impl, time in entries.items() if impl != "ratio"]
         lines += [f"| **modstate ratio** | **{entries['ratio']}** |", ""]
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():  # shown without -s
-        print("\n".join(lines))
+    show(request, lines)
 
 
 def _loops(x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], Any]]:
