@@ -38,6 +38,12 @@ Betas = tuple[Scalar, Scalar]
 _NUMBERS = (float, int, bool)
 
 
+def _is_number(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_is_number(item) for item in value)
+    return type(value) in _NUMBERS
+
+
 def _resolve(value: Any, count_before: float | Tensor) -> Any:
     """A hyperparameter for this step: a schedule evaluated, a free-to-read tensor as a number."""
     if type(value) in _NUMBERS:
@@ -166,10 +172,12 @@ class ElementwiseOptimizer:
             if before is not None
             else step.to(device=leaves.device, dtype=scalar_dtype(leaves.device))
         )
-        hyper = {
-            name: _resolve(getattr(self, name), count_before)
-            for name in _hyperparameter_names(type(self))
-        }
+        hyper = self._constant_hyperparameters()
+        if hyper is None:
+            hyper = {
+                name: _resolve(getattr(self, name), count_before)
+                for name in _hyperparameter_names(type(self))
+            }
         tensors = [*leaves.tensors(), step, *scalars.values()]
         active = leaves.active_params()
         if LeafOps.differentiable(tensors, [count_before, *_scalars(hyper)]):
@@ -204,6 +212,17 @@ class ElementwiseOptimizer:
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
         return leaves.rebuild(leaves.params, run.p), new_state
+
+    def _constant_hyperparameters(self) -> dict[str, Any] | None:
+        """The hyperparameters as a dict, when they are all numbers (no schedule, no tensor):
+        the same every step, so made once."""
+        cached = self.__dict__.get("_constant")
+        if cached is None:
+            values = {name: getattr(self, name) for name in _hyperparameter_names(type(self))}
+            constant = all(_is_number(value) for value in values.values())
+            cached = (values,) if constant else ()
+            object.__setattr__(self, "_constant", cached)  # a cache, not a field
+        return cached[0] if cached else None
 
     def _update_in_chunks(self, run: Run) -> dict[str, Tensor]:
         """`update`, a chunk of leaves at a time (one large leaf, or several small ones): each

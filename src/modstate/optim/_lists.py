@@ -24,7 +24,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import foreach_allowed
+from modstate._core.torch_facts import foreach_allowed, functorch_active
 
 Scalar = float | int | Tensor
 Leaves = list[Tensor]
@@ -84,6 +84,8 @@ class LeafOps:
         autograd must record, or a scalar is a tensor (learnable, batched, or not free to read)."""
         if any(isinstance(s, Tensor) for s in scalars):
             return True
+        if not torch.is_grad_enabled() and not functorch_active():
+            return False  # nothing can record: no need to look at every tensor
         return not foreach_allowed(tensors)
 
     def clone(self, xs: Leaves) -> Leaves:
