@@ -8,7 +8,6 @@ and hands a `Run` (the leaves as lists, the ops, the step count) to the optimize
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -20,7 +19,8 @@ from modstate._core.types import Tree
 from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
 from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
 from modstate.optim._lists import LeafOps, Scalar
-from modstate.optim._run import Run
+from modstate.optim._repeat import Repeat, again, in_place
+from modstate.optim._run import Run, one
 from modstate.optim._tree import (
     StepLeaves,
     init_buffers,
@@ -158,6 +158,11 @@ class ElementwiseOptimizer:
             (tensor([0.5000, 0.5000]), tensor([1., 1.]))
         """
         names = self.buffer_names
+        repeat = self.__dict__.get("_repeat") if donate else None
+        if repeat is not None:
+            run = again(repeat, params, grads, state, self.scalar_names)
+            if run is not None:
+                return self._finish_again(repeat, run, names)
         step = self._check_state(state, names)
         leaves = StepLeaves(params, grads, state, names, self.name)
         scalars = {name: state[name] for name in self.scalar_names}
@@ -189,8 +194,7 @@ class ElementwiseOptimizer:
         # The single-tensor order runs as _foreach_ kernels on the CPU only, where they loop
         # the very single-tensor ops (elsewhere they are other kernels, with other roundings).
         eager = kernel != DIFFERENTIABLE and (kernel != SINGLE or all(p.is_cpu for p in active))
-        one = _one()  # a tensor: an int would be wrapped into one on every call
-        new_step = step.add_(one) if donate and eager else step + one
+        new_step = step.add_(one()) if donate and eager else step + one()
         run = Run(
             kernel,
             LeafOps(foreach=eager, multi_tensor=kernel == FOREACH),
@@ -203,15 +207,41 @@ class ElementwiseOptimizer:
             donate,
             new_step,
         )
-        if kernel == FUSED:
-            new_scalars = self.fused_update(run)
-        elif eager and len(run.p) > 1:
-            new_scalars = self._update_in_chunks(run)
-        else:
-            new_scalars = self.update(run)
+        new_scalars = self._update_run(run)
+        if donate:
+            # Remember what this step found, for the next step of a donated loop (`_repeat`).
+            remember = run.donated and leaves.simple and self._constant_hyperparameters()
+            found = Repeat(leaves, state, self.scalar_names, kernel, hyper)
+            kept = found if remember and in_place(leaves, run) else None
+            object.__setattr__(self, "_repeat", kept)  # a cache, not a field
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
         return leaves.rebuild(leaves.params, run.p), new_state
+
+    def _update_run(self, run: Run) -> dict[str, Tensor]:
+        """The update, with the kernel the run chose (fused, by chunks, or as it is)."""
+        if run.kernel == FUSED:
+            return self.fused_update(run)
+        if run.ops.foreach and len(run.p) > 1:
+            return self._update_in_chunks(run)
+        return self.update(run)
+
+    def _finish_again(
+        self, repeat: Repeat, run: Run, names: tuple[str, ...]
+    ) -> tuple[Tree, dict[str, Any]]:
+        """The rest of a step that `_repeat` recognised as the next of a donated loop."""
+        before = (list(run.p), {name: list(run.buffers[name]) for name in names})
+        new_scalars = self._update_run(run)
+        unchanged = all(a is b for a, b in zip(run.p, before[0])) and all(
+            all(a is b for a, b in zip(run.buffers[name], before[1][name])) for name in names
+        )
+        if not unchanged:
+            object.__setattr__(self, "_repeat", None)
+        treedef = repeat.treedef
+        new_state: dict[str, Any] = {"step": run.step, **new_scalars}
+        new_state.update({n: treedef.unflatten(run.buffers[n]) for n in names})
+        new_params: Any = treedef.unflatten(run.p)
+        return new_params, new_state
 
     def _constant_hyperparameters(self) -> dict[str, Any] | None:
         """The hyperparameters as a dict, when they are all numbers (no schedule, no tensor):
@@ -295,12 +325,6 @@ def _chunk_bounds(leaves: list[Tensor]) -> list[tuple[int, int]]:
     if start < len(leaves):
         bounds.append((start, len(leaves)))
     return bounds
-
-
-@functools.cache
-def _one() -> Tensor:
-    """A 0-dim 1.0 to count steps with (float32; the counter keeps its own dtype)."""
-    return torch.ones((), dtype=torch.float32)
 
 
 _KERNEL_FLAGS = ("foreach", "fused")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -11,6 +12,13 @@ from torch import Tensor
 from modstate.optim._checks import is_zero
 from modstate.optim._kernels import FOREACH
 from modstate.optim._lists import LeafOps, Leaves
+
+
+@functools.cache
+def one() -> Tensor:
+    """A 0-dim 1.0 to count steps with (float32; a counter keeps its own dtype): a tensor, as
+    an int would be wrapped into one on every call."""
+    return torch.ones((), dtype=torch.float32)
 
 
 class Run:
@@ -140,12 +148,13 @@ class Run:
             params = [leaf.clone() for leaf in params]
             buffers = [[leaf.clone() for leaf in leaves] for leaves in buffers]
         grads = _aligned(params, grads, buffers)
-        keys = [(p.device, p.dtype) for p in params]
+        keys = [(p.get_device(), p.dtype) for p in params]  # get_device: -1 on the CPU
         for key in dict.fromkeys(keys):
-            step = self.step  # the new step counter: a float32 CPU tensor unless told otherwise
-            if step.dtype != torch.float32 or step.device != key[0]:
-                step = torch.full((), float(self.count), dtype=torch.float32, device=key[0])
             indices = [i for i, k in enumerate(keys) if k == key]
+            step = self.step  # the new step counter: a float32 CPU tensor unless told otherwise
+            if step.dtype != torch.float32 or key[0] != -1:
+                device = params[indices[0]].device
+                step = torch.full((), float(self.count), dtype=torch.float32, device=device)
             if len(indices) == len(params):
                 yield params, grads, buffers, [step] * len(indices)
             else:

@@ -229,6 +229,16 @@ class StepLeaves:
             retie(leaves, self._ties)
         return self._treedef.unflatten(leaves)
 
+    @property
+    def treedef(self) -> optree.PyTreeSpec:
+        """The structure of params (optree's, None an empty subtree)."""
+        return self._treedef
+
+    @property
+    def simple(self) -> bool:
+        """Every leaf has a gradient, none is complex, no tensor stands at two paths."""
+        return self._all_real and not self._ties
+
     def active_params(self) -> list[Tensor]:
         """The params that this step updates, as they are (complex ones not viewed as real)."""
         return [self.params[i] for i in self.active]
