@@ -1,18 +1,24 @@
 """One optimizer step on 4x ``nn.Linear(512, 512)`` (8 leaves, 1.05 M parameters), for every
-optimizer of ``modstate.optim``, interleaved with its peers in one process (the ``compare``
-fixture).
+optimizer of ``modstate.optim``, beside ``torch.optim``'s three configurations, in one process
+(the ``compare`` fixture: warmed up, interleaved rounds).
 
 Two groups per optimizer:
 
-- ``optim step: <name>, donated (...)``: ``opt.step(params, grads, state, donate=True)``, which
-  writes over its inputs as ``torch.optim`` does; peers ``torch.optim (foreach=True)``,
-  ``torch.optim (fused=True)`` where torch has a fused CPU kernel (it computes in another order,
-  so it is a speed reference, not a numbers reference), ``torch.optim (foreach=False)`` (torch's
-  default on the CPU: the numbers modstate reproduces, op for op) and ``torchopt (inplace=True)``.
-- ``optim step: <name> (...)``: the pure step, new trees out; peers ``torch.optim
-  (foreach=True)`` and ``torchopt (inplace=False)``.
+- ``optim step: <name>, donated``: ``opt.step(..., donate=True)`` (in place, as ``torch.optim``
+  steps) in each configuration modstate has (``foreach=True``, ``foreach=False``, and
+  ``fused=True`` where torch has a fused kernel), beside ``torch.optim`` with ``foreach=True``,
+  ``foreach=False`` and ``fused=True``. The ``modstate`` entry is the fused step where there is
+  one, else the single-tensor one.
+- ``optim step: <name>, pure``: the pure step (new trees out, no input written) in each
+  modstate configuration, beside the same ``torch.optim`` configurations and the **allocation
+  floor**: allocating and first-touching the trees the step returns (``torch.empty_like`` +
+  ``fill_``, params and every buffer), which no pure step can avoid.
 
-Targets (issue 11): donated <= 1.0x ``torch.optim (foreach=True)``, pure <= 1.1x.
+Targets (issue 18): best modstate donated <= 1.05 x best torch.optim; pure <= 1.2 x (best
+torch.optim + allocation floor). At the end the run prints both ratios per optimizer as a
+Markdown table (``-s`` not needed)::
+
+    python -m pytest benchmarks/optim_benchmarks_test.py -p no:cacheprovider -q
 """
 
 from __future__ import annotations
@@ -25,27 +31,26 @@ import torch
 from torch import nn
 
 import modstate as ms
+from _tables import show, us
 from modstate import optim
 
-try:
-    import torchopt
-except ImportError:  # torchopt is in the `bench` extra; the suite runs without it
-    torchopt = None
-
 MODEL = "4x Linear(512,512)"
+TORCH_FLAGS = {"foreach=True": {"foreach": True}, "foreach=False": {"foreach": False}}
+FUSED = {"fused=True": {"fused": True}}
 
-# name: (modstate factory, torch.optim class, kwargs for both, fused on CPU, torchopt factory)
-CASES: dict[str, tuple[Callable[..., Any], type, dict[str, Any], bool, str | None]] = {
-    "sgd-momentum": (optim.sgd, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}, True, "sgd"),
-    "adam": (optim.adam, torch.optim.Adam, {"lr": 1e-3}, True, "adam"),
-    "adamw": (optim.adamw, torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 1e-2}, True, "adamw"),
-    "rmsprop": (optim.rmsprop, torch.optim.RMSprop, {"lr": 1e-3}, False, "rmsprop"),
-    "adagrad": (optim.adagrad, torch.optim.Adagrad, {"lr": 1e-2}, True, "adagrad"),
-    "adamax": (optim.adamax, torch.optim.Adamax, {"lr": 2e-3}, False, "adamax"),
-    "nadam": (optim.nadam, torch.optim.NAdam, {"lr": 2e-3}, False, None),
-    "radam": (optim.radam, torch.optim.RAdam, {"lr": 1e-3}, False, "radam"),
-    "adadelta": (optim.adadelta, torch.optim.Adadelta, {"lr": 1.0}, False, "adadelta"),
+# name: (modstate factory, torch.optim class, kwargs for both, has fused kernels, buffers)
+CASES: dict[str, tuple[Callable[..., Any], type, dict[str, Any], bool, int]] = {
+    "sgd-momentum": (optim.sgd, torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}, True, 1),
+    "adam": (optim.adam, torch.optim.Adam, {"lr": 1e-3}, True, 2),
+    "adamw": (optim.adamw, torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 1e-2}, True, 2),
+    "rmsprop": (optim.rmsprop, torch.optim.RMSprop, {"lr": 1e-3}, False, 1),
+    "adagrad": (optim.adagrad, torch.optim.Adagrad, {"lr": 1e-2}, True, 1),
+    "adamax": (optim.adamax, torch.optim.Adamax, {"lr": 2e-3}, False, 2),
+    "nadam": (optim.nadam, torch.optim.NAdam, {"lr": 2e-3}, False, 2),
+    "radam": (optim.radam, torch.optim.RAdam, {"lr": 1e-3}, False, 2),
+    "adadelta": (optim.adadelta, torch.optim.Adadelta, {"lr": 1.0}, False, 2),
 }
+ROWS: dict[str, dict[str, Any]] = {}
 
 
 def make_model() -> nn.Module:
@@ -56,20 +61,25 @@ def make_model() -> nn.Module:
     return model
 
 
-def torch_step(case: str, **flags: bool) -> Callable[[], None]:
+def flag_sets(case: str) -> dict[str, dict[str, bool]]:
+    return {**TORCH_FLAGS, **(FUSED if CASES[case][3] else {})}
+
+
+def torch_step(case: str, flags: dict[str, bool]) -> Callable[[], None]:
     _, torch_class, kwargs, _, _ = CASES[case]
     model = make_model()
-    opt = torch_class(model.parameters(), **kwargs, **flags)
-    return opt.step
+    return torch_class(model.parameters(), **kwargs, **flags).step
 
 
-def modstate_step(case: str, *, donate: bool) -> Callable[[], None]:
+def modstate_step(case: str, flags: dict[str, bool], *, donate: bool) -> Callable[[], None]:
     factory, _, kwargs, _, _ = CASES[case]
     model = make_model()
     params = ms.tree.clone(ms.extract(model, detach=True))
     grads = ms.unflatten({name: p.grad for name, p in model.named_parameters()})
-    opt = factory(**kwargs)
+    opt = factory(**kwargs, **flags)
     carry = [params, opt.init(params)]
+    for _ in range(3):  # past the first steps, which some optimizers treat apart
+        carry[0], carry[1] = opt.step(carry[0], grads, carry[1], donate=donate)
 
     def step() -> None:
         carry[0], carry[1] = opt.step(carry[0], grads, carry[1], donate=donate)
@@ -77,42 +87,108 @@ def modstate_step(case: str, *, donate: bool) -> Callable[[], None]:
     return step
 
 
-def torchopt_step(case: str, *, inplace: bool) -> Callable[[], None]:
-    _, _, kwargs, _, name = CASES[case]
-    model = make_model()
-    params = ms.tree.clone(ms.extract(model, detach=True))
-    grads = ms.unflatten({n: p.grad for n, p in model.named_parameters()})
-    opt = getattr(torchopt, name)(**kwargs)
-    carry = [params, opt.init(params)]
+def allocation_floor(case: str) -> Callable[[], list[torch.Tensor]]:
+    """Allocate and first-touch what a pure step returns: params and every buffer tree."""
+    leaves = [p.detach() for p in make_model().parameters()]
+    trees = 1 + CASES[case][4]
 
-    def step() -> None:
-        updates, carry[1] = opt.update(grads, carry[1], params=carry[0], inplace=inplace)
-        carry[0] = torchopt.apply_updates(carry[0], updates, inplace=inplace)
+    def allocate() -> list[torch.Tensor]:
+        return [torch.empty_like(leaf).fill_(1.0) for _ in range(trees) for leaf in leaves]
 
-    return step
+    return allocate
+
+
+def fastest(stats: dict[str, dict[str, float]], prefix: str, key: str) -> tuple[str, float]:
+    impl = min((k for k in stats if k.startswith(prefix)), key=lambda k: stats[k][key])
+    return impl, stats[impl][key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ratio_table(request):
+    """Print the ratios of every optimizer that ran, as a Markdown table, after the module."""
+    yield
+    if not ROWS:
+        return
+    lines = [
+        "",
+        f"Optimizer step, {MODEL}; times are the min over interleaved rounds (median ratio in "
+        "brackets).",
+        "",
+        "| optimizer | torch foreach=True | torch foreach=False | torch fused=True "
+        "| modstate donated (best) | donated / best torch | allocation floor | modstate pure "
+        "| pure / (best torch + floor) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case, row in ROWS.items():
+        lines.append(
+            f"| {case} | {row.get('torch foreach=True', '–')} | {row.get('torch foreach=False', '–')}"
+            f" | {row.get('torch fused=True', '–')} | {row.get('donated', '–')}"
+            f" | {row.get('donated ratio', '–')} | {row.get('floor', '–')}"
+            f" | {row.get('pure', '–')} | {row.get('pure ratio', '–')} |"
+        )
+    show(request, lines)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_donated(compare, case):
-    impls = {
-        "modstate": modstate_step(case, donate=True),
-        "torch.optim (foreach=True)": torch_step(case, foreach=True),
-    }
-    if CASES[case][3]:
-        impls["torch.optim (fused=True)"] = torch_step(case, fused=True)
-    # torch's default on the CPU, whose numbers modstate reproduces (same ops in the same order).
-    impls["torch.optim (foreach=False)"] = torch_step(case, foreach=False)
-    if torchopt is not None and CASES[case][4] is not None:
-        impls["torchopt (inplace=True)"] = torchopt_step(case, inplace=True)
-    compare(f"optim step: {case}, donated ({MODEL})", impls)
+    flags = flag_sets(case)
+    ours = "fused=True" if "fused=True" in flags else "foreach=False"
+    impls = {"modstate": modstate_step(case, flags[ours], donate=True)}
+    impls.update(
+        {
+            f"modstate ({name})": modstate_step(case, value, donate=True)
+            for name, value in flags.items()
+            if name != ours
+        }
+    )
+    impls.update(
+        {f"torch.optim ({name})": torch_step(case, value) for name, value in flags.items()}
+    )
+    stats = compare(f"optim step: {case}, donated ({MODEL})", impls)
+    if stats is None:
+        return
+    row = ROWS.setdefault(case, {})
+    for name in flags:
+        row[f"torch {name}"] = us(stats[f"torch.optim ({name})"]["min"])
+    impl, ms_min = fastest(stats, "modstate", "min")
+    _, torch_min = fastest(stats, "torch.optim", "min")
+    _, ms_median = fastest(stats, "modstate", "median")
+    _, torch_median = fastest(stats, "torch.optim", "median")
+    label = ours if impl == "modstate" else impl[len("modstate (") : -1]
+    row["donated"] = f"{us(ms_min)} ({label})"
+    row["donated ratio"] = f"{ms_min / torch_min:.2f}x [{ms_median / torch_median:.2f}x]"
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_pure(compare, case):
-    impls = {
-        "modstate": modstate_step(case, donate=False),
-        "torch.optim (foreach=True)": torch_step(case, foreach=True),
-    }
-    if torchopt is not None and CASES[case][4] is not None:
-        impls["torchopt (inplace=False)"] = torchopt_step(case, inplace=False)
-    compare(f"optim step: {case} ({MODEL})", impls)
+    flags = flag_sets(case)
+    ours = "fused=True" if "fused=True" in flags else "foreach=False"
+    floor_name = "allocation floor (empty_like + fill of the returned trees)"
+    impls = {"modstate": modstate_step(case, flags[ours], donate=False)}
+    impls.update(
+        {
+            f"modstate ({name})": modstate_step(case, value, donate=False)
+            for name, value in flags.items()
+            if name != ours
+        }
+    )
+    impls[floor_name] = allocation_floor(case)
+    impls.update(
+        {f"torch.optim ({name})": torch_step(case, value) for name, value in flags.items()}
+    )
+    stats = compare(f"optim step: {case}, pure ({MODEL})", impls)
+    if stats is None:
+        return
+    row = ROWS.setdefault(case, {})
+    floor = stats[floor_name]
+    impl, pure_min = fastest(stats, "modstate", "min")
+    _, pure_median = fastest(stats, "modstate", "median")
+    _, torch_min = fastest(stats, "torch.optim", "min")
+    _, torch_median = fastest(stats, "torch.optim", "median")
+    label = ours if impl == "modstate" else impl[len("modstate (") : -1]
+    row["floor"] = us(floor["min"])
+    row["pure"] = f"{us(pure_min)} ({label})"
+    row["pure ratio"] = (
+        f"{pure_min / (torch_min + floor['min']):.2f}x "
+        f"[{pure_median / (torch_median + floor['median']):.2f}x]"
+    )

@@ -1,22 +1,30 @@
-"""Training steps with state that is carried, not trained (BatchNorm), and the ensemble forward.
+"""Training steps: a model with state that is carried, not trained (BatchNorm), alone and as an
+8-member ensemble, functional (``ms.grad`` + ``ms.optim``) beside ``backward()`` + ``torch.optim``
+in each of torch's three configurations; and the ensemble forward.
 
-Issue 9's three targets, each timed with the ``compare`` fixture (warmed up, interleaved rounds):
+Timed with the ``compare`` fixture (warmed up, interleaved rounds); every implementation is first
+checked to compute the same step as the stateful one.
 
-- ``training step: ensemble ...`` (three cases, one per modstate way): one step
-  (forward, backward, Adam) of 8 members ``64→128(BN)→128(BN)→10`` on a shared batch of 64, in
-  train mode. Peers: a loop over 8 ordinary modules with one ``torch.optim.Adam`` over all their
-  parameters (T), and ``torch.func`` (``vmap(grad(functional_call))`` with the buffers cloned
-  and returned, the way ``torch.func`` must do it for train-mode BatchNorm, then
-  ``torch.optim.Adam`` on the stacked tensors). modstate is functional, as ``grad`` of
-  ``ms.apply`` on an ``ms.Ensemble`` (batched kernels) or as ``vmap(grad(ms.apply))`` on one
-  member's module, each followed by ``ms.optim.adam`` on the stacked trees; or stateful, as
-  ``ms.Ensemble`` + ``torch.optim.Adam``. Targets: functional and module ≤ 0.30 T.
-- ``training step: single model``: ``grad`` of ``ms.apply`` + ``ms.optim.adam`` against the
-  stateful ``loss.backward(); opt.step()``. Target ≤ 1.15×.
+- ``training step: single model``: ``ms.grad`` of ``ms.apply`` (plain autograd, no functorch
+  dispatch) + ``ms.optim.adam(fused=True)`` donated, beside ``loss.backward()`` +
+  ``torch.optim.Adam`` with ``foreach=True``, ``foreach=False`` and ``fused=True``; the same step
+  with ``torch.func.grad`` is shown too. Target (issue 18): <= 1.1 x the fastest torch step.
+- ``training step: ensemble ...``: one step (forward, backward, Adam) of 8 members
+  ``64→128(BN)→128(BN)→10`` on a shared batch of 64, in train mode. T is a loop over 8 ordinary
+  modules with one ``torch.optim.Adam`` (torch's default configuration) over all their
+  parameters; the loop with ``fused=True`` and ``foreach=True`` is shown beside it, and
+  ``torch.func`` (``vmap(grad(functional_call))`` with the buffers cloned and returned, as
+  ``torch.func`` must do it for train-mode BatchNorm, then ``torch.optim.Adam``). modstate is
+  stateful (``ms.Ensemble`` + ``torch.optim.Adam(fused=True)``) or functional (``ms.grad`` of
+  ``ms.apply`` on the ``ms.Ensemble``, whose stacked tensors are its own parameters, so plain
+  autograd runs its batched kernels, + ``ms.optim.adam(fused=True)`` donated); the
+  ``vmap(grad(ms.apply))`` form on one member's module is shown too. Targets: <= 0.30 T.
 - ``ensemble forward: compute-bound``: ``ms.Ensemble`` of 32 ``64→256→256→10`` on a batch of 128
-  (no grad) against the hand-written ``baddbmm`` chain. Target ≤ 1.05×.
+  (no grad) against the hand-written ``baddbmm`` chain. Target <= 1.05x.
 
-Every implementation is first checked to compute the same step as the loop of modules.
+At the end the run prints the ratios as a Markdown table::
+
+    python -m pytest benchmarks/training_benchmarks_test.py -p no:cacheprovider -q
 """
 
 from __future__ import annotations
@@ -25,16 +33,21 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state
 
 import modstate as ms
+from _tables import show, us
 
 MEMBERS, BATCH, LR = 8, 64, 1e-3
 LOOP = "loop of 8 modules + torch.optim.Adam"
 TORCH_FUNC = "torch.func: vmap(grad(functional_call)) + torch.optim.Adam"
+ADAM_FLAGS = {"foreach=True": {"foreach": True}, "foreach=False": {"foreach": False}}
+ADAM_FLAGS["fused=True"] = {"fused": True}
+ROWS: dict[str, dict[str, str]] = {}
 
 
 def bn_mlp() -> nn.Sequential:
@@ -59,9 +72,11 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 64), torch.randint(0, 10, (BATCH,))
 
 
-def loop_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+def loop_step(
+    models: list[nn.Module], x: torch.Tensor, y: torch.Tensor, **flags: bool
+) -> Callable[[], Any]:
     params = [p for m in models for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=LR)
+    opt = torch.optim.Adam(params, lr=LR, **flags)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -94,14 +109,14 @@ def torch_func_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     return step, params, holder
 
 
-def functional_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
+def functional_vmap_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     """``vmap(grad(ms.apply))`` for the gradients and new statistics of every member, then one
     ``ms.optim.adam`` step on the stacked trees: Adam is elementwise and the members share their
-    step count, so that is each member's own step, run as one foreach kernel per operation."""
+    step count, so that is each member's own step. torch.func's per-op dispatch runs here."""
     model = models[0]
     params = ms.stack([ms.split(m, detach=True)[0] for m in models])
     state = ms.stack([ms.split(m, detach=True)[1] for m in models])
-    opt = ms.optim.adam(lr=LR)
+    opt = ms.optim.adam(lr=LR, fused=True)
     holder = {"params": params, "state": state, "opt": opt.init(params)}
 
     def loss(p: dict, s: dict) -> tuple[torch.Tensor, dict]:
@@ -112,17 +127,20 @@ def functional_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
 
     def step() -> None:
         grads, holder["state"] = grads_and_state(holder["params"], holder["state"])
-        holder["params"], holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
+        holder["params"], holder["opt"] = opt.step(
+            holder["params"], grads, holder["opt"], donate=True
+        )
 
     return step, holder
 
 
 def functional_ensemble_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
-    """``grad`` of ``ms.apply`` on an ``ms.Ensemble`` (its batched kernels run every member, no
-    vmap) with the stacked trees as params and state, then ``ms.optim.adam`` on them."""
+    """``ms.grad`` of ``ms.apply`` on an ``ms.Ensemble``: its stacked tensors are its own
+    parameters, so plain autograd runs its batched kernels for every member (no vmap, no
+    functorch dispatch); then ``ms.optim.adam(fused=True)`` on the stacked trees, donated."""
     ensemble = ms.Ensemble(models)
     params, state = ms.split(ensemble, detach=True)
-    opt = ms.optim.adam(lr=LR)
+    opt = ms.optim.adam(lr=LR, fused=True)
     holder = {"params": params, "state": state, "opt": opt.init(params)}
     targets = y.expand(MEMBERS, -1).reshape(-1)
 
@@ -130,18 +148,20 @@ def functional_ensemble_step(models: list[nn.Module], x: torch.Tensor, y: torch.
         out, new_state = ms.apply(ensemble, p, s, x)
         return F.cross_entropy(out.reshape(-1, 10), targets, reduction="sum") / BATCH, new_state
 
-    grads_and_state = grad(loss, has_aux=True)
+    grads_and_state = ms.grad(loss, has_aux=True)
 
     def step() -> None:
         grads, holder["state"] = grads_and_state(holder["params"], holder["state"])
-        holder["params"], holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
+        holder["params"], holder["opt"] = opt.step(
+            holder["params"], grads, holder["opt"], donate=True
+        )
 
     return step, holder
 
 
 def ensemble_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     ensemble = ms.Ensemble(models)
-    opt = torch.optim.Adam(ensemble.parameters(), lr=LR)
+    opt = torch.optim.Adam(ensemble.parameters(), lr=LR, fused=True)
     targets = y.expand(MEMBERS, -1).reshape(-1)
 
     def step() -> None:
@@ -160,7 +180,7 @@ def _check_one_step_matches_the_loop(x: torch.Tensor, y: torch.Tensor) -> None:
     loop_step(reference, x, y)()
     expected = ms.stack([ms.extract(m, detach=True) for m in reference])
 
-    step, holder = functional_step(members(), x, y)
+    step, holder = functional_vmap_step(members(), x, y)
     step()
     got = ms.tree.combine(holder["params"], holder["state"])
     step_tf, params_tf, holder_tf = torch_func_step(members(), x, y)
@@ -180,130 +200,164 @@ def _check_one_step_matches_the_loop(x: torch.Tensor, y: torch.Tensor) -> None:
         torch.testing.assert_close(got_fe[f"stacked.{path}"], want, atol=1e-5, rtol=1e-4)
 
 
+def _record(row: str, stats: dict[str, dict[str, float]] | None, reference: Callable) -> None:
+    """Keep a table row: each entry's min, and modstate's ratio to ``reference(stats)``."""
+    if stats is None:
+        return
+    want_min, want_median = reference(stats, "min"), reference(stats, "median")
+    ROWS[row] = {
+        **{impl: us(entry["min"]) for impl, entry in stats.items()},
+        "ratio": f"{stats['modstate']['min'] / want_min:.2f}x "
+        f"[{stats['modstate']['median'] / want_median:.2f}x]",
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ratio_table(request):
+    """Print the ratios of every case that ran, as Markdown, after the module."""
+    yield
+    if not ROWS:
+        return
+    lines = [
+        "",
+        "Training steps; times are the min over interleaved rounds (median ratio in brackets).",
+        "",
+    ]
+    for row, entries in ROWS.items():
+        lines += [f"**{row}**", "", "| implementation | time |", "|---|---|"]
+        lines += [f"| {impl} | {time} |" for impl, time in entries.items() if impl != "ratio"]
+        lines += [f"| **modstate ratio** | **{entries['ratio']}** |", ""]
+    show(request, lines)
+
+
+def _loops(x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """T (the loop with torch.optim.Adam's default) and the loop with each of torch's flags."""
+    loops = {LOOP: loop_step(members(), x, y)}
+    loops.update(
+        {
+            f"{LOOP} ({name})": loop_step(members(), x, y, **flags)
+            for name, flags in ADAM_FLAGS.items()
+        }
+    )
+    return loops
+
+
+def _relative_to_t(stats: dict[str, dict[str, float]], key: str) -> float:
+    return stats[LOOP][key]
+
+
+ENSEMBLE = "(8 x 64-128(BN)-128(BN)-10, batch 64)"
+
+
 def test_ensemble_training_step_functional(compare) -> None:
     x, y = data()
     _check_one_step_matches_the_loop(x, y)
-    compare(
-        "training step: ensemble functional, grad(apply(Ensemble)) (8 x 64-128(BN)-128(BN)-10)",
+    name = f"training step: ensemble functional, ms.grad(apply(Ensemble)) + adam {ENSEMBLE}"
+    stats = compare(
+        name,
         {
             "modstate": functional_ensemble_step(members(), x, y)[0],
-            LOOP: loop_step(members(), x, y),
+            **_loops(x, y),
             TORCH_FUNC: torch_func_step(members(), x, y)[0],
         },
     )
+    _record(f"{name}: modstate / T", stats, _relative_to_t)
 
 
 def test_ensemble_training_step_functional_vmap(compare) -> None:
     x, y = data()
-    compare(
-        "training step: ensemble functional, vmap(grad(apply)) (8 x 64-128(BN)-128(BN)-10)",
+    name = f"training step: ensemble functional, vmap(grad(apply)) + adam {ENSEMBLE}"
+    stats = compare(
+        name,
         {
-            "modstate": functional_step(members(), x, y)[0],
+            "modstate": functional_vmap_step(members(), x, y)[0],
             LOOP: loop_step(members(), x, y),
             TORCH_FUNC: torch_func_step(members(), x, y)[0],
         },
     )
+    _record(f"{name}: modstate / T", stats, _relative_to_t)
 
 
 def test_ensemble_training_step_module(compare) -> None:
     x, y = data()
-    compare(
-        "training step: ensemble module (8 x 64-128(BN)-128(BN)-10, batch 64)",
+    name = f"training step: ensemble module, Ensemble + torch.optim.Adam(fused=True) {ENSEMBLE}"
+    stats = compare(
+        name,
         {
             "modstate": ensemble_step(members(), x, y)[0],
-            LOOP: loop_step(members(), x, y),
+            **_loops(x, y),
             TORCH_FUNC: torch_func_step(members(), x, y)[0],
         },
     )
+    _record(f"{name}: modstate / T", stats, _relative_to_t)
 
 
-def compare_with_the_stateful_step(
-    compare,
-    name: str,
-    model: nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
-    functional: Callable[[], None],
-    holder: dict,
-) -> None:
-    """One step of ``functional`` (updating ``holder``'s params and state) must equal
-    ``loss.backward(); torch.optim.Adam.step()`` on a copy of ``model`` with the same ``batch``;
-    then both are timed."""
+def stateful_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], **flags: bool):
+    """``loss.backward(); torch.optim.Adam(**flags).step()`` on a copy of ``model``."""
     x, y = batch
     stateful_model = copy.deepcopy(model)
-    torch_opt = torch.optim.Adam(stateful_model.parameters(), lr=LR)
+    torch_opt = torch.optim.Adam(stateful_model.parameters(), lr=LR, **flags)
 
     def stateful() -> None:
         torch_opt.zero_grad(set_to_none=True)
         F.cross_entropy(stateful_model(x), y).backward()
         torch_opt.step()
 
-    functional()
-    stateful()
-    got = ms.flatten(ms.tree.combine(holder["params"], holder["state"]))
-    for path, want in ms.flatten(ms.extract(stateful_model)).items():
-        torch.testing.assert_close(got[path].detach(), want.detach(), atol=1e-6, rtol=1e-5)
-    compare(name, {"modstate": functional, "torch: backward + torch.optim.Adam": stateful})
+    return stateful, stateful_model
 
 
-def test_single_model_training_step(compare) -> None:
-    x, y = data()
-    torch.manual_seed(0)
-    model = bn_mlp()
+def functional_single_step(model: nn.Module, batch, gradient: Callable):
+    """``gradient`` (``ms.grad`` or ``torch.func.grad``) of ``ms.apply``, then
+    ``ms.optim.adam(fused=True)``, donated."""
+    x, y = batch
     params, state = ms.split(model, detach=True)
-    opt = ms.optim.adam(lr=LR)
+    params, state = ms.tree.clone(params), ms.tree.clone(state)
+    opt = ms.optim.adam(lr=LR, fused=True)
     holder = {"params": params, "state": state, "opt": opt.init(params)}
 
     def loss(p: dict, s: dict) -> tuple[torch.Tensor, dict]:
         out, new_state = ms.apply(model, p, s, x)
         return F.cross_entropy(out, y), new_state
 
+    grads_and_state = gradient(loss, has_aux=True)
+
     def functional() -> None:
-        grads, holder["state"] = grad(loss, has_aux=True)(holder["params"], holder["state"])
-        holder["params"], holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
+        grads, holder["state"] = grads_and_state(holder["params"], holder["state"])
+        holder["params"], holder["opt"] = opt.step(
+            holder["params"], grads, holder["opt"], donate=True
+        )
 
-    compare_with_the_stateful_step(
-        compare,
-        "training step: single model (64-128(BN)-128(BN)-10, batch 64)",
-        model,
-        (x, y),
-        functional,
-        holder,
-    )
+    return functional, holder
 
 
-def test_single_model_training_step_with_autograd(compare) -> None:
-    """The same step with ``torch.autograd.grad`` over ``ms.apply`` (params that require grad)
-    instead of ``torch.func.grad``, whose per-op dispatch dominates on a model this small."""
-    x, y = data()
+def _fastest_torch(stats: dict[str, dict[str, float]], key: str) -> float:
+    return min(entry[key] for impl, entry in stats.items() if impl.startswith("torch: "))
+
+
+def test_single_model_training_step(compare) -> None:
+    batch = data()
     torch.manual_seed(0)
     model = bn_mlp()
-    params, state = ms.split(model, detach=True)
-    opt = ms.optim.adam(lr=LR)
-    holder = {"params": ms.tree.map(torch.Tensor.requires_grad_, params), "state": state}
-    holder["opt"] = opt.init(holder["params"])
-
-    def functional() -> None:
-        leaves = list(ms.flatten(holder["params"]).values())
-        out, holder["state"] = ms.apply(model, holder["params"], holder["state"], x)
-        grads = ms.unflatten(
-            dict(
-                zip(
-                    ms.flatten(holder["params"]),
-                    torch.autograd.grad(F.cross_entropy(out, y), leaves),
-                )
-            )
-        )
-        with torch.no_grad():
-            new_params, holder["opt"] = opt.step(holder["params"], grads, holder["opt"])
-        holder["params"] = ms.tree.map(torch.Tensor.requires_grad_, new_params)
-
-    compare_with_the_stateful_step(
-        compare,
-        "training step: single model, autograd.grad(apply) (64-128(BN)-128(BN)-10, batch 64)",
-        model,
-        (x, y),
-        functional,
-        holder,
+    functional, holder = functional_single_step(model, batch, ms.grad)
+    # One step of each must equal torch's fused Adam after backward(), bit for bit.
+    stateful, stateful_model = stateful_step(model, batch, fused=True)
+    functional()
+    stateful()
+    got = ms.flatten(ms.tree.combine(holder["params"], holder["state"]))
+    for path, want in ms.flatten(ms.extract(stateful_model, detach=True)).items():
+        assert torch.equal(got[path], want), path
+    name = "training step: single model (64-128(BN)-128(BN)-10, batch 64)"
+    impls = {
+        "modstate": functional_single_step(model, batch, ms.grad)[0],
+        "modstate with torch.func.grad": functional_single_step(model, batch, grad)[0],
+    }
+    for label, flags in ADAM_FLAGS.items():
+        impls[f"torch: backward + torch.optim.Adam ({label})"] = stateful_step(
+            model, batch, **flags
+        )[0]
+    stats = compare(name, impls)
+    _record(
+        f"{name}: modstate (ms.grad + adam fused, donated) / fastest torch", stats, _fastest_torch
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 PUBLIC = {
     "modstate": [
         "extract", "inject", "swap", "load", "call", "call_partial", "split", "apply", "flatten",
-        "unflatten",
+        "unflatten", "grad", "grad_and_value",
         "stack", "unstack", "stack_modules", "vmap_call", "Ensemble",
     ],
     "modstate.tree": [
@@ -18,6 +18,7 @@ PUBLIC = {
     "modstate.optim": [
         "sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam", "radam", "adadelta",
         "clip_grad_norm", "masked", "optimizer_state", "load_optimizer_state", "schedules",
+        "Optimizer",
     ],
     "modstate.optim.schedules": [
         "constant", "step", "multistep", "exponential", "cosine", "linear_warmup",

@@ -24,6 +24,16 @@ def test_demo_trains_an_ensemble_and_prints_the_table():
     for line in ("member 0", "member 2", "ensemble mean", "EMA weights", "same predictions"):
         assert line in result.stdout
     assert "member 3" not in result.stdout
+    # It says why the EMA row scores as it does, and where its code is (issue 22, item 11).
+    assert "EMA weights (an average over about the last 20 steps) score" in result.stdout
+    assert "read what just ran: src/modstate/cli/_demo.py" in result.stdout
+
+
+def test_the_ema_verdict_follows_the_numbers():
+    from modstate.cli._demo import ema_verdict
+
+    assert "score worse here" in ema_verdict(plain_mse=0.02, ema_mse=0.03)
+    assert "score better here" in ema_verdict(plain_mse=0.03, ema_mse=0.02)
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,11 @@ def test_under_vmap_each_member_is_clipped_by_its_own_norm():
 
 
 def test_a_non_float_leaf_is_refused_by_path():
-    with pytest.raises(TypeError, match=r"grads leaf 'a\.n' is a torch\.int64 tensor"):
+    with pytest.raises(TypeError, match=r"^clip_grad_norm: 'a\.n': a torch\.int64 tensor"):
         optim.clip_grad_norm({"a": {"n": torch.tensor(1)}}, max_norm=1.0)
+    # The fix the message names: None where a leaf has no gradient.
+    _, norm = optim.clip_grad_norm({"a": {"n": None, "w": torch.ones(1)}}, max_norm=1.0)
+    assert norm == 1
 
 
 def test_leaves_are_taken_in_module_order_as_torch_sums_their_norms():

@@ -50,17 +50,22 @@ def test_same_numbers_as_torch_optim_on_the_matching_parameters():
 
 def test_patterns_that_match_nothing_are_refused():
     params = {"w": torch.ones(2)}
-    with pytest.raises(ValueError, match=r"no leaf path matches \['head\.\*'\]"):
+    with pytest.raises(ValueError, match=r"^masked\.init: 'head\.\*': matches no leaf path; .*'w'"):
         optim.masked(optim.sgd(), "head.*").init(params)
-    with pytest.raises(ValueError, match="at least one pattern"):
+    # The fix the message names: a pattern that matches one of the listed paths.
+    assert optim.masked(optim.sgd(), "w").init(params)["step"] == 0
+    with pytest.raises(ValueError, match="pass at least one, such as 'head.*'"):
         optim.masked(optim.sgd())
 
 
 def test_grads_of_another_structure_name_the_path():
     params = {"a": torch.ones(2), "b": torch.ones(2)}
     opt = optim.masked(optim.sgd(), "a")
-    with pytest.raises(ValueError, match=r"grads has no leaf at 'b'"):
+    with pytest.raises(ValueError, match=r"^masked\.step: 'b': a path of params that grads lacks"):
         opt.step(params, {"a": torch.ones(2)}, opt.init(params))
+    # The fix the message names: grads of params' structure, None where there is no gradient.
+    new, _ = opt.step(params, {"a": torch.ones(2), "b": None}, opt.init(params))
+    assert new["b"] is params["b"]
 
 
 def test_a_tie_matched_at_one_of_its_paths_is_stepped_and_stays_one_tensor():

@@ -110,11 +110,14 @@ def test_asking_in_any_order_gives_the_same_values():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="step_size"):
+    with pytest.raises(ValueError, match=r"^step: 'step_size': 0; pass a positive"):
         schedules.step(0.1, step_size=0)
-    with pytest.raises(ValueError, match="anneal_strategy"):
+    assert schedules.step(0.1, step_size=1)(1) == pytest.approx(0.01)  # the fix works
+    with pytest.raises(ValueError, match=r"^onecycle: 'anneal_strategy': 'exp'; pass 'cos'"):
         schedules.onecycle(0.1, total_steps=10, anneal_strategy="exp")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="step count"):
+    assert schedules.onecycle(0.1, total_steps=10, anneal_strategy="linear")(0) > 0
+    with pytest.raises(ValueError, match=r"^schedule: '<count>': got -1; .*an integer >= 0"):
         schedules.cosine(0.1, T_max=10)(-1)
-    with pytest.raises(ValueError, match="total_steps=10"):
+    with pytest.raises(ValueError, match=r"^onecycle: 'total_steps': 10, but step 11 was asked"):
         schedules.onecycle(0.1, total_steps=10)(11)
+    assert schedules.onecycle(0.1, total_steps=11)(11) > 0  # the fix: enough total_steps

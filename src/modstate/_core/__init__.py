@@ -16,7 +16,8 @@ The pipeline, bottom up:
   calling thread only (calls) or for every thread (``inject``, ``swap``);
 - ``extract`` takes a tree out, ``split`` divides it into what is trained and what is carried;
   ``inject`` / ``swap`` / ``load`` (in ``inject``) put one in; ``call`` is the stateless call and
-  ``apply`` the pure stateful one.
+  ``apply`` the pure stateful one; ``grad`` differentiates a function of trees
+  (``torch.func.grad``'s contract, plain autograd outside transforms).
 
 This is the bottom part: it imports torch and optree only, never another part of modstate.
 """
@@ -25,6 +26,7 @@ from modstate._core.apply import apply
 from modstate._core.call import call, call_partial
 from modstate._core.extract import extract
 from modstate._core.flat import flatten, unflatten
+from modstate._core.grad import grad, grad_and_value
 from modstate._core.inject import inject, load, swap
 from modstate._core.split import split
 
@@ -34,6 +36,8 @@ __all__ = [
     "call_partial",
     "extract",
     "flatten",
+    "grad",
+    "grad_and_value",
     "inject",
     "load",
     "split",

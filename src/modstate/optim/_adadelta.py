@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._adam import check_lr
-from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
+from modstate.optim._checks import check_hyperparameter, check_lr
 from modstate.optim._lists import Scalar
-from modstate.optim._tree import check_hyperparameter
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class Adadelta(Optimizer):
+class Adadelta(ElementwiseOptimizer):
     """Pure Adadelta; build it with `modstate.optim.adadelta`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), in `torch.optim.Adadelta`'s
@@ -26,6 +26,15 @@ class Adadelta(Optimizer):
         p = p - lr * d
 
     The state is ``{"step", "square_avg", "acc_delta"}``.
+
+    Args:
+        **hyperparameters: ``lr``, ``rho``, ``eps``, ``weight_decay``, ``maximize``: as in
+            `modstate.optim.adadelta`, which builds it with `torch.optim.Adadelta`'s argument names
+            and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.adadelta(lr=0.1) == Adadelta(lr=0.1)
+        True
     """
 
     name = "adadelta"
@@ -37,10 +46,11 @@ class Adadelta(Optimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
-        check_lr(self.lr)
-        check_hyperparameter("rho", self.rho, low=0.0, high=1.0, high_inclusive=True)
-        check_hyperparameter("eps", self.eps, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
+        super().__post_init__()
+        check_lr(self.name, self.lr)
+        check_hyperparameter(self.name, "rho", self.rho, low=0.0, high=1.0, high_inclusive=True)
+        check_hyperparameter(self.name, "eps", self.eps, low=0.0)
+        check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -49,7 +59,7 @@ class Adadelta(Optimizer):
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
         rho, eps = h["rho"], h["eps"]
-        run.maximize_and_decay(self.maximize, h["weight_decay"])
+        run.begin(self.maximize)
         g = run.g
         square_avg = ops.mul(run.buffers["square_avg"], rho, own=own)
         square_avg = ops.addcmul(square_avg, g, g, 1 - rho, own=True)
@@ -61,3 +71,43 @@ class Adadelta(Optimizer):
         run.buffers["square_avg"], run.buffers["acc_delta"] = square_avg, acc_delta
         run.p = ops.add(run.p, delta, -h["lr"], own=run.own_p, into=std)
         return {}
+
+
+def adadelta(
+    lr: LearningRate = 1.0,
+    rho: Scalar = 0.9,
+    eps: Scalar = 1e-6,
+    weight_decay: Scalar = 0,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+) -> Adadelta:
+    """Adadelta, with `torch.optim.Adadelta`'s arguments and numbers.
+
+    Args:
+        lr: scales the update: a number, a 0-dim tensor, or a schedule.
+        rho: decay rate of the running averages.
+        eps: added inside the square roots for numerical stability.
+        weight_decay: L2 penalty, added to the gradient.
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+
+    Returns:
+        An `Adadelta` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = adadelta()
+        >>> params = {"w": torch.zeros(1)}
+        >>> params, state = opt.step(params, {"w": torch.ones(1)}, opt.init(params))
+        >>> params["w"]  # -sqrt(eps) / sqrt(0.1 + eps)
+        tensor([-0.0032])
+    """
+    return Adadelta(
+        lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach
+    )

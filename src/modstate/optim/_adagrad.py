@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modstate.optim._adam import check_lr
-from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
+from modstate.optim._checks import check_hyperparameter, check_lr
 from modstate.optim._lists import Scalar
-from modstate.optim._tree import check_hyperparameter
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class Adagrad(Optimizer):
+class Adagrad(ElementwiseOptimizer):
     """Pure Adagrad; build it with `modstate.optim.adagrad`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), in
@@ -25,9 +25,19 @@ class Adagrad(Optimizer):
         p = p - lr / (1 + (t - 1) * lr_decay) * g / (sqrt(s) + eps)
 
     The state is ``{"step", "sum"}``.
+
+    Args:
+        **hyperparameters: ``lr``, ``lr_decay``, ``weight_decay``, ``initial_accumulator_value``,
+            ``eps``, ``maximize``: as in `modstate.optim.adagrad`, which builds it with
+            `torch.optim.Adagrad`'s argument names and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.adagrad(lr=0.1) == Adagrad(lr=0.1)
+        True
     """
 
     name = "adagrad"
+    has_fused = True
 
     lr: LearningRate = 1e-2
     lr_decay: Scalar = 0.0
@@ -37,18 +47,21 @@ class Adagrad(Optimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
-        check_lr(self.lr)
-        check_hyperparameter("lr_decay", self.lr_decay, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
-        check_hyperparameter("initial_accumulator_value", self.initial_accumulator_value, low=0.0)
-        check_hyperparameter("eps", self.eps, low=0.0)
+        super().__post_init__()
+        check_lr(self.name, self.lr)
+        check_hyperparameter(self.name, "lr_decay", self.lr_decay, low=0.0)
+        check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
+        check_hyperparameter(
+            self.name, "initial_accumulator_value", self.initial_accumulator_value, low=0.0
+        )
+        check_hyperparameter(self.name, "eps", self.eps, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
         return ("sum",)
 
     def fill(self, name: str, leaf: Tensor) -> Tensor:
-        value = self.initial_accumulator_value
+        value: float | complex = self.initial_accumulator_value
         if leaf.is_complex():
             value = complex(value, value)
         return torch.full_like(leaf, value, memory_format=torch.preserve_format)
@@ -56,10 +69,77 @@ class Adagrad(Optimizer):
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops = run.hyper, run.ops
         clr = h["lr"] / (1 + (run.count - 1) * h["lr_decay"])
-        run.maximize_and_decay(self.maximize, h["weight_decay"])
+        run.begin(self.maximize)
         g = run.g
         state_sum = ops.addcmul(run.buffers["sum"], g, g, 1, own=run.own_buffers)
         run.buffers["sum"] = state_sum
         std = ops.add_scalar(ops.sqrt(state_sum), h["eps"], own=True)
-        run.p = ops.addcdiv(run.p, g, std, -clr, own=run.own_p, into_zs=True)
+        if run.multi_tensor:
+            # torch.optim's multi-tensor order: the step size multiplies the gradient first.
+            minus_clr = -h["lr"] / (1 + (run.count - 1) * h["lr_decay"])
+            numerator = ops.mul(g, minus_clr, own=run.own_g, in_place_in_torch=run.own_g)
+            run.p = ops.addcdiv(run.p, numerator, std, own=run.own_p, into_zs=True)
+        else:
+            run.p = ops.addcdiv(run.p, g, std, -clr, own=run.own_p, into_zs=True)
         return {}
+
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        h = run.hyper
+        for p, g, (state_sum,), steps in run.fused_groups(self.buffer_names):
+            torch._fused_adagrad_(
+                p, g, state_sum, steps,
+                lr=h["lr"], lr_decay=h["lr_decay"], weight_decay=h["weight_decay"],
+                eps=h["eps"], maximize=self.maximize,
+            )  # fmt: skip
+        return {}
+
+
+def adagrad(
+    lr: LearningRate = 1e-2,
+    lr_decay: Scalar = 0,
+    weight_decay: Scalar = 0,
+    initial_accumulator_value: float = 0,
+    eps: Scalar = 1e-10,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+) -> Adagrad:
+    """Adagrad, with `torch.optim.Adagrad`'s arguments and numbers (dense gradients).
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        lr_decay: learning-rate decay: step ``t`` uses ``lr / (1 + (t - 1) * lr_decay)``.
+        weight_decay: L2 penalty, added to the gradient.
+        initial_accumulator_value: the starting value of the sum of squared gradients.
+        eps: added to the denominator for numerical stability.
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+
+    Returns:
+        An `Adagrad` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = adagrad(lr=0.5)
+        >>> params = {"w": torch.zeros(2)}
+        >>> params, state = opt.step(params, {"w": torch.tensor([2.0, -1.0])}, opt.init(params))
+        >>> params["w"]
+        tensor([-0.5000,  0.5000])
+    """
+    return Adagrad(
+        lr=lr,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        initial_accumulator_value=initial_accumulator_value,
+        eps=eps,
+        maximize=maximize,
+        foreach=foreach,
+        fused=fused,
+    )

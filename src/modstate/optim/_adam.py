@@ -4,20 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._base import AdamLike, Betas, LearningRate
 from modstate.optim._lists import Scalar
-from modstate.optim._tree import check_betas, check_hyperparameter
-
-
-def check_lr(lr: object) -> None:
-    if not callable(lr) or isinstance(lr, Tensor):
-        check_hyperparameter("lr", lr, low=0.0)
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class Adam(Optimizer):
+class Adam(AdamLike):
     """Pure Adam (or AdamW with `decoupled_weight_decay`); build it with `modstate.optim.adam`
     or `modstate.optim.adamw`.
 
@@ -32,23 +28,23 @@ class Adam(Optimizer):
         p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
     The state is ``{"step", "exp_avg", "exp_avg_sq"}`` plus ``"max_exp_avg_sq"`` with amsgrad.
+
+    Args:
+        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``,
+            ``decoupled_weight_decay``: as in `modstate.optim.adam`, which builds it with
+            `torch.optim.Adam`'s argument names and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.adam(lr=0.1) == Adam(lr=0.1)
+        True
     """
 
     name = "adam"
+    has_fused = True
 
-    lr: LearningRate = 1e-3
-    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
-    eps: Scalar = 1e-8
-    weight_decay: Scalar = 0.0
     amsgrad: bool = False
     maximize: bool = False
     decoupled_weight_decay: bool = False
-
-    def __post_init__(self) -> None:
-        check_lr(self.lr)
-        object.__setattr__(self, "betas", check_betas(self.betas))
-        check_hyperparameter("eps", self.eps, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -57,13 +53,9 @@ class Adam(Optimizer):
 
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, t = run.hyper, run.ops, run.count
-        lr, eps, weight_decay = h["lr"], h["eps"], h["weight_decay"]
+        lr, eps = h["lr"], h["eps"]
         beta1, beta2 = h["betas"]
-        if self.decoupled_weight_decay:
-            run.maximize_and_decay(self.maximize, 0)
-            run.decay_params(lr, weight_decay)
-        else:
-            run.maximize_and_decay(self.maximize, weight_decay)
+        run.begin(self.maximize, decoupled_weight_decay=self.decoupled_weight_decay)
         g, own = run.g, run.own_buffers
         m = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
         v = ops.addcmul(
@@ -81,3 +73,122 @@ class Adam(Optimizer):
         denom = ops.add_scalar(ops.div(ops.sqrt(v), bias_correction2_sqrt, own=True), eps, own=True)
         run.p = ops.addcdiv(run.p, m, denom, -step_size, own=run.own_p, into_zs=True)
         return {}
+
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        h = run.hyper
+        beta1, beta2 = h["betas"]
+        kernel = torch._fused_adamw_ if self.decoupled_weight_decay else torch._fused_adam_
+        for p, g, (m, v, *v_max), steps in run.fused_groups(self.buffer_names):
+            kernel(
+                p, g, m, v, v_max[0] if v_max else [], steps,
+                lr=h["lr"], beta1=beta1, beta2=beta2, weight_decay=h["weight_decay"],
+                eps=h["eps"], amsgrad=self.amsgrad, maximize=self.maximize,
+            )  # fmt: skip
+        return {}
+
+
+def adam(
+    lr: LearningRate = 1e-3,
+    betas: Betas = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    decoupled_weight_decay: bool = False,
+) -> Adam:
+    """Adam, with `torch.optim.Adam`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        betas: the decay rates ``(beta1, beta2)`` of the first and second moment estimates.
+        eps: added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient (decoupled, as AdamW, with
+            `decoupled_weight_decay`).
+        amsgrad: keep the maximum of the second moment estimates (AMSGrad).
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+        decoupled_weight_decay: decay the weights directly (AdamW) instead of an L2 penalty.
+
+    Returns:
+        An `Adam` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = adam(lr=0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> params, state = opt.step(params, {"w": torch.tensor([1.0, -1.0])}, opt.init(params))
+        >>> params["w"]
+        tensor([-0.1000,  0.1000])
+    """
+    return Adam(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay,
+        foreach=foreach,
+        fused=fused,
+    )
+
+
+def adamw(
+    lr: LearningRate = 1e-3,
+    betas: Betas = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+) -> Adam:
+    """AdamW (decoupled weight decay), with `torch.optim.AdamW`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        betas: the decay rates ``(beta1, beta2)`` of the first and second moment estimates.
+        eps: added to the denominator for numerical stability.
+        weight_decay: decoupled weight decay: ``p = p * (1 - lr * weight_decay)`` each step.
+        amsgrad: keep the maximum of the second moment estimates (AMSGrad).
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+
+    Returns:
+        An `Adam` optimizer with ``decoupled_weight_decay=True`` (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = adamw(lr=0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(1)}
+        >>> params, state = opt.step(params, {"w": torch.ones(1)}, opt.init(params))
+        >>> params["w"]  # 1 * (1 - 0.1 * 0.5) - 0.1
+        tensor([0.8500])
+    """
+    return Adam(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled_weight_decay=True,
+        foreach=foreach,
+        fused=fused,
+    )

@@ -6,14 +6,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._adam import check_lr
-from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._base import AdamLike, Betas, LearningRate
 from modstate.optim._lists import Scalar
-from modstate.optim._tree import check_betas, check_hyperparameter
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class Adamax(Optimizer):
+class Adamax(AdamLike):
     """Pure Adamax (Adam with the infinity norm); build it with `modstate.optim.adamax`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), in
@@ -25,21 +24,21 @@ class Adamax(Optimizer):
         p = p - lr / (1 - beta1**t) * m / u
 
     The state is ``{"step", "exp_avg", "exp_inf"}``.
+
+    Args:
+        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``maximize``: as in
+            `modstate.optim.adamax`, which builds it with `torch.optim.Adamax`'s argument names and
+            defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.adamax(lr=0.1) == Adamax(lr=0.1)
+        True
     """
 
     name = "adamax"
 
     lr: LearningRate = 2e-3
-    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
-    eps: Scalar = 1e-8
-    weight_decay: Scalar = 0.0
     maximize: bool = False
-
-    def __post_init__(self) -> None:
-        check_lr(self.lr)
-        object.__setattr__(self, "betas", check_betas(self.betas))
-        check_hyperparameter("eps", self.eps, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -48,7 +47,7 @@ class Adamax(Optimizer):
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
         beta1, beta2 = h["betas"]
-        run.maximize_and_decay(self.maximize, h["weight_decay"])
+        run.begin(self.maximize)
         g = run.g
         exp_avg = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
         norm = ops.add_scalar(ops.abs(g), h["eps"], own=True)
@@ -57,3 +56,43 @@ class Adamax(Optimizer):
         clr = h["lr"] / (1 - beta1**run.count)
         run.p = ops.addcdiv(run.p, exp_avg, exp_inf, -clr, own=run.own_p, into=norm)
         return {}
+
+
+def adamax(
+    lr: LearningRate = 2e-3,
+    betas: Betas = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+) -> Adamax:
+    """Adamax (Adam with the infinity norm), with `torch.optim.Adamax`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        betas: the decay rates ``(beta1, beta2)`` of the first moment and the infinity norm.
+        eps: added to the denominator for numerical stability.
+        weight_decay: L2 penalty, added to the gradient.
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+
+    Returns:
+        An `Adamax` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = adamax(lr=0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> params, state = opt.step(params, {"w": torch.tensor([1.0, -1.0])}, opt.init(params))
+        >>> params["w"]
+        tensor([-0.1000,  0.1000])
+    """
+    return Adamax(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach
+    )

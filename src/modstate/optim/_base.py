@@ -1,4 +1,4 @@
-"""`Optimizer`: what every pure optimizer of `modstate.optim` shares.
+"""`ElementwiseOptimizer`: what every pure optimizer of `modstate.optim` shares.
 
 An optimizer is a frozen dataclass of hyperparameters. `init` builds its state, `step` checks the
 trees, resolves the hyperparameters for this step (a schedule for `lr` is evaluated at the step
@@ -9,13 +9,18 @@ and hands a `Run` (the leaves as lists, the ops, the step count) to the optimize
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from modstate.optim._lists import LeafOps, Leaves, Scalar
+from modstate._core.types import Tree
+from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
+from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
+from modstate.optim._lists import LeafOps, Scalar
+from modstate.optim._repeat import Repeat, again, in_place
+from modstate.optim._run import Run, one
 from modstate.optim._tree import (
     StepLeaves,
     init_buffers,
@@ -26,79 +31,23 @@ from modstate.optim._tree import (
 
 # A learning rate: a number, a 0-dim tensor, or a schedule (a function of the step count).
 LearningRate = Scalar | Callable[[Any], Scalar]
+# Two decay rates (beta1, beta2), each a number or a 0-dim tensor.
+Betas = tuple[Scalar, Scalar]
 
 
-class Run:
-    """One step in progress: the leaves to update as lists, and what the update may do to them.
-
-    `p`, `g` and `buffers` are the gathered lists; an update replaces them with new lists.
-    `donated` says the caller donated params and state (honoured in eager mode only);
-    `own_p` / `own_buffers` say that those lists may be written over (donated, or fresh);
-    `own_g` starts False and the update sets it once `g` is an intermediate of its own.
-    `scalars` holds the 0-dim state entries other than the step counter (NAdam's ``mu_product``).
-    `count` is this step's number, counting from 1: a float, or a 0-dim float64 tensor when it
-    cannot be read for free (under `vmap`, `grad` or `torch.compile`).
-    """
-
-    __slots__ = (
-        "buffers",
-        "count",
-        "donated",
-        "g",
-        "hyper",
-        "ops",
-        "own_buffers",
-        "own_g",
-        "own_p",
-        "p",
-        "scalars",
-    )
-
-    def __init__(
-        self,
-        ops: LeafOps,
-        p: Leaves,
-        g: Leaves,
-        buffers: dict[str, Leaves],
-        count: float | Tensor,
-        hyper: dict[str, Any],
-        scalars: dict[str, Tensor],
-        donate: bool,
-    ) -> None:
-        self.ops = ops
-        self.p, self.g, self.buffers = p, g, buffers
-        self.count = count
-        self.hyper = hyper
-        self.scalars = scalars
-        self.donated = donate and ops.foreach
-        self.own_p = self.own_buffers = self.donated
-        self.own_g = False
-
-    @property
-    def first(self) -> bool | Tensor:
-        """Whether this is the first step (a 0-dim bool tensor when the count is one)."""
-        return self.count == 1
-
-    def maximize_and_decay(self, maximize: bool, weight_decay: Scalar) -> None:
-        """``g = -g`` if maximize; ``g = g + weight_decay * p`` (L2), as torch.optim begins."""
-        if maximize:
-            self.g, self.own_g = self.ops.neg(self.g), True
-        if not _is_zero(weight_decay):
-            self.g = self.ops.add(self.g, self.p, weight_decay, own=self.own_g)
-            self.own_g = True
-
-    def decay_params(self, lr: Scalar, weight_decay: Scalar) -> None:
-        """``p = p * (1 - lr * weight_decay)``: decoupled weight decay (AdamW)."""
-        if not _is_zero(weight_decay):
-            self.p, self.own_p = self.ops.mul(self.p, 1 - lr * weight_decay, own=self.own_p), True
+_NUMBERS = (float, int, bool)
 
 
-def _is_zero(value: Scalar) -> bool:
-    return not isinstance(value, Tensor) and value == 0
+def _is_number(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_is_number(item) for item in value)
+    return type(value) in _NUMBERS
 
 
 def _resolve(value: Any, count_before: float | Tensor) -> Any:
     """A hyperparameter for this step: a schedule evaluated, a free-to-read tensor as a number."""
+    if type(value) in _NUMBERS:
+        return value  # the common case
     if isinstance(value, tuple):
         return tuple(_resolve(item, count_before) for item in value)
     if callable(value) and not isinstance(value, Tensor):
@@ -111,11 +60,24 @@ def _resolve(value: Any, count_before: float | Tensor) -> Any:
 
 
 @dataclass(frozen=True)
-class Optimizer:
-    """Base of the pure optimizers; subclasses define the fields, buffers and `update`."""
+class ElementwiseOptimizer:
+    """Base of the pure optimizers whose update is elementwise over the leaves (every optimizer
+    of `modstate.optim`; `masked` wraps one). Subclasses define the fields, buffers and `update`.
+
+    Subclasses are frozen dataclasses of hyperparameters; build them with the factories
+    (`modstate.optim.adam`, ...), which carry `torch.optim`'s argument names and defaults.
+    """
 
     name: ClassVar[str] = "optimizer"
     scalar_names: ClassVar[tuple[str, ...]] = ()
+    # Whether torch.optim has fused kernels for this optimizer (`fused_update` runs them).
+    has_fused: ClassVar[bool] = False
+
+    foreach: bool | None = field(default=None, kw_only=True)
+    fused: bool | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_kernels(self.name, self.foreach, self.fused, has_fused=self.has_fused)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -130,24 +92,77 @@ class Optimizer:
         """Update `run.p` and `run.buffers`; return the new scalar state (name -> 0-dim)."""
         raise NotImplementedError
 
-    def init(self, params: Any) -> dict[str, Any]:
-        """The state before the first step: a zero step counter and one tree per buffer."""
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        """`update` with torch's fused kernel, in place on `run.p` and `run.buffers` (which
+        the step owns by then); only for the optimizers with `has_fused`."""
+        raise NotImplementedError
+
+    def init(self, params: Tree) -> dict[str, Any]:
+        """The optimizer's state before the first step.
+
+        Args:
+            params: the tree of floating-point (or complex) tensors to optimize; None is an
+                empty subtree. A tied tensor (one object at several paths) gets one buffer,
+                standing at all its paths.
+
+        Returns:
+            ``{"step": 0-dim tensor, <buffer name>: tree like params, ...}``: a step counter
+            (a 0-dim CPU tensor, float32 like torch.optim's) and one tree per buffer
+            (``"exp_avg"``, ``"momentum_buffer"``, ...).
+
+        Raises:
+            TypeError: a leaf of `params` is not a floating-point or complex tensor (the
+                message names its path and the fix).
+
+        Example:
+            >>> opt = modstate.optim.sgd(lr=0.1, momentum=0.9)
+            >>> sorted(opt.init({"w": torch.ones(2)}))
+            ['momentum_buffer', 'step']
+        """
         state: dict[str, Any] = {"step": new_scalar(0.0)}
         state.update({name: new_scalar(1.0) for name in self.scalar_names})
-        state.update(init_buffers(params, self.buffer_names, self.fill))
+        state.update(init_buffers(params, self.buffer_names, self.fill, self.name))
         return state
 
     def step(
-        self, params: Any, grads: Any, state: Mapping[str, Any], *, donate: bool = False
-    ) -> tuple[Any, dict[str, Any]]:
-        """One step: returns ``(new_params, new_state)``.
+        self, params: Tree, grads: Tree, state: Mapping[str, Any], *, donate: bool = False
+    ) -> tuple[Tree, dict[str, Any]]:
+        """One optimizer step.
 
-        No input is changed, unless ``donate=True``: then the buffers of `params` and `state`
-        may be reused for the outputs (the caller promises not to read them again); the numbers
-        are the same either way. Leaves whose gradient is None keep their param and state (the
-        same objects); the step counter is shared by all leaves and counts every call.
+        No input is changed, unless ``donate=True``. Leaves whose gradient is None keep their
+        param and state (the same objects); the step counter is shared by all leaves and
+        counts every call.
+
+        Args:
+            params: the tree of tensors being optimized.
+            grads: a tree of the same structure (``torch.func.grad`` or ``ms.grad`` returns
+                one); a None leaf freezes that leaf for this step.
+            state: the dict returned by `init` or by the last step.
+            donate: the caller promises not to read `params` and `state` again, so their
+                buffers may hold the results (as ``torch.optim`` steps in place): same
+                numbers, no new memory.
+
+        Returns:
+            ``(new_params, new_state)``, trees of the same structure as `params` and `state`.
+
+        Raises:
+            ValueError: `grads` or a tree of `state` does not fit `params` (the message names
+                the first path that does not), or `state` is another optimizer's.
+            TypeError: a leaf of `params` is not a floating-point or complex tensor.
+
+        Example:
+            >>> opt = modstate.optim.sgd(lr=0.5)
+            >>> params = {"w": torch.ones(2)}
+            >>> new, state = opt.step(params, {"w": torch.ones(2)}, opt.init(params))
+            >>> new["w"], params["w"]
+            (tensor([0.5000, 0.5000]), tensor([1., 1.]))
         """
         names = self.buffer_names
+        repeat = self.__dict__.get("_repeat") if donate else None
+        if repeat is not None:
+            run = again(repeat, params, grads, state, self.scalar_names)
+            if run is not None:
+                return self._finish_again(repeat, run, names)
         step = self._check_state(state, names)
         leaves = StepLeaves(params, grads, state, names, self.name)
         scalars = {name: state[name] for name in self.scalar_names}
@@ -162,12 +177,27 @@ class Optimizer:
             if before is not None
             else step.to(device=leaves.device, dtype=scalar_dtype(leaves.device))
         )
-        hyper = {f.name: _resolve(getattr(self, f.name), count_before) for f in fields(self)}
-        ops = LeafOps.for_step(
-            [*leaves.tensors(), step, *scalars.values()], [count_before, *_scalars(hyper)]
-        )
+        hyper = self._constant_hyperparameters()
+        if hyper is None:
+            hyper = {
+                name: _resolve(getattr(self, name), count_before)
+                for name in _hyperparameter_names(type(self))
+            }
+        tensors = [*leaves.tensors(), step, *scalars.values()]
+        active = leaves.active_params()
+        if LeafOps.differentiable(tensors, [count_before, *_scalars(hyper)]):
+            kernel = DIFFERENTIABLE
+        else:
+            kernel = eager_kernel(
+                f"{self.name}.step", self.foreach, self.fused, active, leaves.active_path
+            )
+        # The single-tensor order runs as _foreach_ kernels on the CPU only, where they loop
+        # the very single-tensor ops (elsewhere they are other kernels, with other roundings).
+        eager = kernel != DIFFERENTIABLE and (kernel != SINGLE or all(p.is_cpu for p in active))
+        new_step = step.add_(one()) if donate and eager else step + one()
         run = Run(
-            ops,
+            kernel,
+            LeafOps(foreach=eager, multi_tensor=kernel == FOREACH),
             leaves.gather(leaves.params),
             leaves.gather(leaves.grads),
             {n: leaves.gather(leaves.buffers[n]) for n in names},
@@ -175,36 +205,145 @@ class Optimizer:
             hyper,
             scalars,
             donate,
+            new_step,
         )
-        new_scalars = self.update(run)
-        if run.donated:
-            step.add_(1)
-            new_step = step
-        else:
-            new_step = step + 1
+        new_scalars = self._update_run(run)
+        if donate:
+            # Remember what this step found, for the next step of a donated loop (`_repeat`).
+            remember = run.donated and leaves.simple and self._constant_hyperparameters()
+            found = Repeat(leaves, state, self.scalar_names, kernel, hyper)
+            kept = found if remember and in_place(leaves, run) else None
+            object.__setattr__(self, "_repeat", kept)  # a cache, not a field
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
         return leaves.rebuild(leaves.params, run.p), new_state
 
-    def _check_state(self, state: Any, names: tuple[str, ...]) -> Tensor:
+    def _update_run(self, run: Run) -> dict[str, Tensor]:
+        """The update, with the kernel the run chose (fused, by chunks, or as it is)."""
+        if run.kernel == FUSED:
+            return self.fused_update(run)
+        if run.ops.foreach and len(run.p) > 1:
+            return self._update_in_chunks(run)
+        return self.update(run)
+
+    def _finish_again(
+        self, repeat: Repeat, run: Run, names: tuple[str, ...]
+    ) -> tuple[Tree, dict[str, Any]]:
+        """The rest of a step that `_repeat` recognised as the next of a donated loop."""
+        before = (list(run.p), {name: list(run.buffers[name]) for name in names})
+        new_scalars = self._update_run(run)
+        unchanged = all(a is b for a, b in zip(run.p, before[0])) and all(
+            all(a is b for a, b in zip(run.buffers[name], before[1][name])) for name in names
+        )
+        if not unchanged:
+            object.__setattr__(self, "_repeat", None)
+        treedef = repeat.treedef
+        new_state: dict[str, Any] = {"step": run.step, **new_scalars}
+        new_state.update({n: treedef.unflatten(run.buffers[n]) for n in names})
+        new_params: Any = treedef.unflatten(run.p)
+        return new_params, new_state
+
+    def _constant_hyperparameters(self) -> dict[str, Any] | None:
+        """The hyperparameters as a dict, when they are all numbers (no schedule, no tensor):
+        the same every step, so made once."""
+        cached = self.__dict__.get("_constant")
+        if cached is None:
+            values = {name: getattr(self, name) for name in _hyperparameter_names(type(self))}
+            constant = all(_is_number(value) for value in values.values())
+            cached = (values,) if constant else ()
+            object.__setattr__(self, "_constant", cached)  # a cache, not a field
+        return cached[0] if cached else None
+
+    def _update_in_chunks(self, run: Run) -> dict[str, Tensor]:
+        """`update`, a chunk of leaves at a time (one large leaf, or several small ones): each
+        operation then finds its operands still in the cache, as torch.optim's single-tensor
+        loop does, where one ``_foreach_*`` kernel over all leaves would stream every tree
+        through memory once per operation. Same numbers: the update is elementwise."""
+        bounds = _chunk_bounds(run.p)
+        if len(bounds) == 1:
+            return self.update(run)
+        parts = [run.chunk(start, stop) for start, stop in bounds]
+        new_scalars: dict[str, Tensor] = {}
+        for part in parts:
+            new_scalars = self.update(part)
+        run.join(parts)
+        return new_scalars
+
+    def _check_state(self, state: object, names: tuple[str, ...]) -> Tensor:
         if not isinstance(state, Mapping):
             raise TypeError(
-                f"state must be the dict returned by {self.name}.init, got {type(state).__name__}"
+                f"{self.name}.step: 'state': got {type(state).__name__}; pass the dict that "
+                f"{self.name}.init (or the last step) returned"
             )
         expected = {"step", *self.scalar_names, *names}
         if set(state) != expected:
             raise ValueError(
-                f"state has keys {sorted(state)}, but {self.name} keeps {sorted(expected)}: "
-                f"pass the state made by this optimizer's init (or its last step)"
+                f"{self.name}.step: 'state': has keys {sorted(state)}, but {self.name} keeps "
+                f"{sorted(expected)}; pass the state made by this optimizer's init (or its "
+                f"last step)"
             )
         for key in ("step", *self.scalar_names):
             if not isinstance(state[key], Tensor) or state[key].dim() != 0:
-                raise ValueError(f"state[{key!r}] must be a 0-dim tensor")
+                raise ValueError(
+                    f"{self.name}.step: 'state.{key}': not a 0-dim tensor; pass the state "
+                    f"made by this optimizer's init (or its last step)"
+                )
         return state["step"]
 
 
+@dataclass(frozen=True)
+class AdamLike(ElementwiseOptimizer):
+    """The fields and checks shared by the optimizers built on Adam's moment estimates (Adam,
+    AdamW, Adamax, NAdam, RAdam); each declares its own defaults and further fields."""
+
+    lr: LearningRate = 1e-3
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
+    eps: Scalar = 1e-8
+    weight_decay: Scalar = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_lr(self.name, self.lr)
+        object.__setattr__(self, "betas", check_betas(self.name, self.betas))
+        check_hyperparameter(self.name, "eps", self.eps, low=0.0)
+        check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
+
+
+# A chunk of an eager step holds at least this many elements: one leaf this large, or several
+# smaller ones together (fewer, larger kernels where the leaves are small).
+_CHUNK_ELEMENTS = 1 << 16
+
+
+def _chunk_bounds(leaves: list[Tensor]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks of `leaves`, each of about `_CHUNK_ELEMENTS`."""
+    bounds, start, size = [], 0, 0
+    for index, leaf in enumerate(leaves):
+        size += leaf.numel()
+        if size >= _CHUNK_ELEMENTS:
+            bounds.append((start, index + 1))
+            start, size = index + 1, 0
+    if start < len(leaves):
+        bounds.append((start, len(leaves)))
+    return bounds
+
+
+_KERNEL_FLAGS = ("foreach", "fused")
+
+
+_HYPERPARAMETER_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _hyperparameter_names(cls: type) -> tuple[str, ...]:
+    """The dataclass fields of `cls` that are hyperparameters (not the kernel flags), cached."""
+    names = _HYPERPARAMETER_NAMES.get(cls)
+    if names is None:
+        names = tuple(f.name for f in fields(cls) if f.name not in _KERNEL_FLAGS)
+        _HYPERPARAMETER_NAMES[cls] = names
+    return names
+
+
 def _scalars(hyper: dict[str, Any]) -> list[Any]:
-    found = []
+    found: list[Any] = []
     for value in hyper.values():
         if isinstance(value, (tuple, list)):
             found.extend(value)

@@ -21,7 +21,10 @@ def _leaves(grads: Any) -> list[Tensor]:
     def collect(path: str, leaf: Any) -> Any:
         if not (isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())):
             got = f"a {leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
-            raise TypeError(f"grads leaf {path!r} is {got}, not a floating-point tensor or None")
+            raise TypeError(
+                f"clip_grad_norm: '{path}': {got}, not a floating-point tensor or None; pass "
+                f"a gradient tree (None where a leaf has no gradient)"
+            )
         found.append(leaf)
         return leaf
 
@@ -53,12 +56,25 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
     ``min(max_norm / (norm + 1e-6), 1)``. Pure: returns new leaves (None leaves stay None) and
     the total norm as a 0-dim tensor; differentiable and usable under `vmap`.
 
-    >>> grads = {"w": torch.tensor([3.0, 4.0]), "b": None}
-    >>> clipped, norm = clip_grad_norm(grads, max_norm=1.0)
-    >>> norm
-    tensor(5.)
-    >>> clipped["w"], clipped["b"]
-    (tensor([0.6000, 0.8000]), None)
+    Args:
+        grads: a gradient tree; None is an empty subtree.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm (``float("inf")`` for the largest magnitude).
+
+    Returns:
+        ``(clipped_grads, total_norm)``: a new tree of the same structure and the total norm
+        before clipping.
+
+    Raises:
+        TypeError: a leaf is neither None nor a floating-point tensor (the message names it).
+
+    Example:
+        >>> grads = {"w": torch.tensor([3.0, 4.0]), "b": None}
+        >>> clipped, norm = clip_grad_norm(grads, max_norm=1.0)
+        >>> norm
+        tensor(5.)
+        >>> clipped["w"], clipped["b"]
+        (tensor([0.6000, 0.8000]), None)
     """
     norm_type = float(norm_type)
     max_norm = float(max_norm)

@@ -19,20 +19,15 @@ runs each of them in one of two forms that give the same numbers:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from numbers import Number
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import foreach_allowed
+from modstate._core.torch_facts import foreach_allowed, functorch_active
 
 Scalar = float | int | Tensor
 Leaves = list[Tensor]
-
-
-def is_zero(value: Scalar) -> bool:
-    """True for a Python number equal to 0; a tensor is never known to be zero (no device sync)."""
-    return isinstance(value, Number) and value == 0
 
 
 def safe_sqrt(x: Tensor) -> Tensor:
@@ -53,6 +48,20 @@ def _all_cpu(xs: Leaves) -> bool:
     return all(x.device.type == "cpu" for x in xs)
 
 
+def _number(value: Scalar) -> float:
+    """A scalar of the eager form, which is always a Python number (a tensor hyperparameter
+    selects the functional form)."""
+    return cast(float, value)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as an in-place ``_foreach_mul_`` rounds its scalar."""
+    return torch.tensor(value, dtype=dtype).item()
+
+
 def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
     """A 0-dim hyperparameter in the leaf's dtype, as a fused kernel casts its scalar."""
     return value if value.dtype == like.dtype else value.to(like.dtype)
@@ -61,17 +70,23 @@ def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
 class LeafOps:
     """Elementwise ops on lists of tensors, as `_foreach_*` kernels or as one op per leaf."""
 
-    __slots__ = ("foreach",)
+    __slots__ = ("foreach", "multi_tensor")
 
-    def __init__(self, foreach: bool) -> None:
+    def __init__(self, foreach: bool, *, multi_tensor: bool = False) -> None:
         self.foreach = foreach
+        # torch.optim's multi-tensor order: its scalar multiplications are in-place _foreach_
+        # kernels, which on half-precision leaves round the scalar to the leaf's dtype first.
+        self.multi_tensor = multi_tensor
 
-    @classmethod
-    def for_step(cls, tensors: Iterable[Tensor], scalars: Iterable[object]) -> LeafOps:
-        """`_foreach_*` kernels unless a functorch transform is active or autograd must record."""
+    @staticmethod
+    def differentiable(tensors: Iterable[Tensor], scalars: Iterable[object]) -> bool:
+        """Whether a step must take the differentiable form: a functorch transform is active,
+        autograd must record, or a scalar is a tensor (learnable, batched, or not free to read)."""
         if any(isinstance(s, Tensor) for s in scalars):
-            return cls(foreach=False)
-        return cls(foreach=foreach_allowed(tensors))
+            return True
+        if not torch.is_grad_enabled() and not functorch_active():
+            return False  # nothing can record: no need to look at every tensor
+        return not foreach_allowed(tensors)
 
     def clone(self, xs: Leaves) -> Leaves:
         if self.foreach:
@@ -91,13 +106,32 @@ class LeafOps:
             return list(torch._foreach_abs(xs))
         return [torch.abs(x) for x in xs]
 
-    def mul(self, xs: Leaves, s: Scalar, *, own: bool = False) -> Leaves:
-        """``x * s`` for a scalar `s`."""
+    def mul(
+        self, xs: Leaves, s: Scalar, *, own: bool = False, in_place_in_torch: bool = True
+    ) -> Leaves:
+        """``x * s`` for a scalar `s`, with the rounding of the torch.optim op it stands for:
+        in the multi-tensor order an in-place ``_foreach_mul_`` (unless `in_place_in_torch` is
+        False), in the single-tensor order ``Tensor.mul_``. They differ on half-precision
+        leaves only, where the in-place foreach kernel multiplies by the scalar rounded to the
+        leaf's dtype."""
         if self.foreach:
+            number = _number(s)
+            half = [x.dtype in _HALF for x in xs]
+            if any(half):
+                if self.multi_tensor and in_place_in_torch:
+                    factors = [_rounded(number, x.dtype) if h else number for x, h in zip(xs, half)]
+                    if own:
+                        torch._foreach_mul_(xs, factors)
+                        return xs
+                    return list(torch._foreach_mul(xs, factors))
+                if own:  # Tensor.mul_'s rounding, which the in-place foreach kernel lacks here
+                    for x in xs:
+                        x.mul_(number)
+                    return xs
             if own:
-                torch._foreach_mul_(xs, s)
+                torch._foreach_mul_(xs, number)
                 return xs
-            return list(torch._foreach_mul(xs, s))
+            return list(torch._foreach_mul(xs, number))
         if isinstance(s, Tensor):
             return [torch.mul(x, _as_dtype(s, x)) for x in xs]
         return [torch.mul(x, s) for x in xs]
@@ -161,12 +195,13 @@ class LeafOps:
     ) -> Leaves:
         """``x + alpha * y``; ``into``: a list of the step's own to hold the result (eager)."""
         if self.foreach:
+            number = _number(alpha)
             if own:
-                torch._foreach_add_(xs, ys, alpha=alpha)
+                torch._foreach_add_(xs, ys, alpha=number)
                 return xs
             if into is not None and _all_cpu(into):
-                return [torch.add(x, y, alpha=alpha, out=o) for x, y, o in zip(xs, ys, into)]
-            return list(torch._foreach_add(xs, ys, alpha=alpha))
+                return [torch.add(x, y, alpha=number, out=o) for x, y, o in zip(xs, ys, into)]
+            return list(torch._foreach_add(xs, ys, alpha=number))
         if isinstance(alpha, Tensor):
             # `alpha=` takes numbers only; torch.optim's differentiable path multiplies too.
             return [torch.add(x, torch.mul(y, _as_dtype(alpha, y))) for x, y in zip(xs, ys)]
@@ -176,9 +211,9 @@ class LeafOps:
         """``x + weight * (y - x)``, with `torch.lerp`'s rounding."""
         if self.foreach:
             if own:
-                torch._foreach_lerp_(xs, ys, weight)
+                torch._foreach_lerp_(xs, ys, _number(weight))
                 return xs
-            return list(torch._foreach_lerp(xs, ys, weight))
+            return list(torch._foreach_lerp(xs, ys, _number(weight)))
         if isinstance(weight, Tensor):
             return [torch.lerp(x, y, _as_dtype(weight, x)) for x, y in zip(xs, ys)]
         return [torch.lerp(x, y, weight) for x, y in zip(xs, ys)]
@@ -219,7 +254,7 @@ class LeafOps:
             out = zs if into_zs else into
             if out is not None and _all_cpu(out):
                 return [
-                    torch.addcdiv(x, y, z, value=value, out=o)
+                    torch.addcdiv(x, y, z, value=_number(value), out=o)
                     for x, y, z, o in zip(xs, ys, zs, out)
                 ]
             return list(torch._foreach_addcdiv(xs, ys, zs, value))

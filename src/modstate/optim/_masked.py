@@ -6,21 +6,25 @@ import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import optree
 from torch import Tensor
 
-from modstate.optim._base import Optimizer
-from modstate.optim._tree import _dotted, _mismatch
+from modstate._core.types import Tree
+from modstate.optim._protocol import Optimizer, OptimizerState
+from modstate.optim._tree import dotted, mismatch
 
 
 def _matcher(patterns: tuple[str, ...]) -> re.Pattern[str]:
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise TypeError(f"masked: patterns must be strings, got {pattern!r}")
+            raise TypeError(
+                f"masked: '{pattern!r}': a {type(pattern).__name__}, not a pattern; pass "
+                f"strings such as 'encoder.*'"
+            )
     if not patterns:
-        raise ValueError("masked: give at least one pattern, such as 'encoder.*'")
+        raise ValueError("masked: '<patterns>': none given; pass at least one, such as 'head.*'")
     return re.compile("|".join(fnmatch.translate(pattern) for pattern in patterns))
 
 
@@ -32,7 +36,11 @@ def _matches(pattern: re.Pattern[str], path: str) -> bool:
 
 @dataclass(frozen=True)
 class Masked:
-    """An optimizer restricted to the leaves whose path matches; build it with `masked`."""
+    """An optimizer restricted to the leaves whose path matches; build it with `masked`.
+
+    It satisfies the `Optimizer` protocol: `init` and `step` as the inner optimizer's, on the
+    matching leaves only.
+    """
 
     optimizer: Optimizer
     patterns: tuple[str, ...]
@@ -43,7 +51,7 @@ class Masked:
     def _split(self, params: Any) -> tuple[list[Any], list[bool], optree.PyTreeSpec]:
         leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
         pattern = _matcher(self.patterns)
-        paths = [_dotted(p) for p in optree.tree_paths(params, none_is_leaf=False)]
+        paths = [dotted(p) for p in optree.tree_paths(params, none_is_leaf=False)]
         keep = [_matches(pattern, path) for path in paths]
         # A tie (one tensor at several paths) is one parameter: matched at one path, it is
         # stepped, and at all its paths, so that it stays one tensor.
@@ -54,34 +62,60 @@ class Masked:
         ]
         return leaves, keep, treedef
 
-    def init(self, params: Any) -> dict[str, Any]:
-        """The inner optimizer's state for the matching leaves (None at the others)."""
+    def init(self, params: Tree) -> OptimizerState:
+        """The inner optimizer's state for the matching leaves (None at the others).
+
+        Args:
+            params: the whole tree; only the matching leaves get state.
+
+        Returns:
+            The inner optimizer's state, with None at the leaves that do not match.
+
+        Raises:
+            ValueError: no leaf path matches the patterns (the message lists some paths).
+        """
         leaves, keep, treedef = self._split(params)
         if leaves and not any(keep):
-            paths = [_dotted(p) for p in optree.tree_paths(params, none_is_leaf=False)]
+            paths = [dotted(p) for p in optree.tree_paths(cast(Any, params), none_is_leaf=False)]
             raise ValueError(
-                f"masked: no leaf path matches {list(self.patterns)}; paths are {paths[:5]}"
+                f"masked.init: {', '.join(map(repr, self.patterns))}: matches no leaf path; pass "
+                f"patterns that match some of the paths {paths[:5]}"
                 + (" ..." if len(paths) > 5 else "")
             )
-        return self.optimizer.init(
-            treedef.unflatten([leaf if k else None for leaf, k in zip(leaves, keep)])
-        )
+        inner: Any = treedef.unflatten([leaf if k else None for leaf, k in zip(leaves, keep)])
+        return self.optimizer.init(inner)
 
     def step(
-        self, params: Any, grads: Any, state: Mapping[str, Any], *, donate: bool = False
-    ) -> tuple[Any, dict[str, Any]]:
-        """Step the matching leaves; the others come back as the very objects that came in."""
+        self, params: Tree, grads: Tree, state: Mapping[str, Any], *, donate: bool = False
+    ) -> tuple[Tree, OptimizerState]:
+        """Step the matching leaves; the others come back as the very objects that came in.
+
+        Args:
+            params: the whole tree.
+            grads: a tree of the same structure (the gradients of leaves that do not match
+                are ignored).
+            state: what `init` or the last step returned.
+            donate: as the inner optimizer's ``donate``, for the matching leaves.
+
+        Returns:
+            ``(new_params, new_state)``.
+
+        Raises:
+            ValueError: `grads` does not have the structure of `params` (the message names
+                the path), or what the inner optimizer's step raises.
+        """
         leaves, keep, treedef = self._split(params)
         try:
-            grad_leaves = treedef.flatten_up_to(grads)
+            grad_leaves: list[Any] = treedef.flatten_up_to(cast(Any, grads))
         except (ValueError, TypeError):
-            raise ValueError(_mismatch(params, grads, "grads")) from None
-        inner_params = treedef.unflatten([leaf if k else None for leaf, k in zip(leaves, keep)])
-        inner_grads = treedef.unflatten([g if k else None for g, k in zip(grad_leaves, keep)])
+            raise ValueError(mismatch("masked.step", params, grads, "grads")) from None
+        inner_params: Any = treedef.unflatten([p if k else None for p, k in zip(leaves, keep)])
+        inner_grads: Any = treedef.unflatten([g if k else None for g, k in zip(grad_leaves, keep)])
         new_inner, new_state = self.optimizer.step(inner_params, inner_grads, state, donate=donate)
-        new_leaves = treedef.flatten_up_to(new_inner)
+        new_leaves: list[Any] = treedef.flatten_up_to(cast(Any, new_inner))
         merged = [new if k else old for old, new, k in zip(leaves, new_leaves, keep)]
-        return treedef.unflatten(merged), new_state
+        new_params: Any = treedef.unflatten(merged)
+        return new_params, new_state
 
 
 def masked(optimizer: Optimizer, *patterns: str) -> Masked:
@@ -93,14 +127,26 @@ def masked(optimizer: Optimizer, *patterns: str) -> Masked:
     integer buffer can stay in the tree. A tied weight (one tensor at several paths) is stepped
     when one of its paths matches, and stays one tensor.
 
-    >>> params = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
-    >>> opt = masked(modstate.optim.sgd(lr=0.5, momentum=0.9), "head.*")
-    >>> state = opt.init(params)
-    >>> state["momentum_buffer"]
-    {'body': {'w': None}, 'head': {'w': tensor([0., 0.])}}
-    >>> grads = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
-    >>> new, state = opt.step(params, grads, state)
-    >>> new["body"]["w"] is params["body"]["w"], new["head"]["w"]
-    (True, tensor([0.5000, 0.5000]))
+    Args:
+        optimizer: any `Optimizer` (`adam(...)`, another `masked(...)`).
+        *patterns: one or more globs on dotted leaf paths.
+
+    Returns:
+        A `Masked` optimizer (it satisfies `Optimizer`).
+
+    Raises:
+        TypeError: a pattern is not a string.
+        ValueError: no pattern is given.
+
+    Example:
+        >>> params = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
+        >>> opt = masked(modstate.optim.sgd(lr=0.5, momentum=0.9), "head.*")
+        >>> state = opt.init(params)
+        >>> state["momentum_buffer"]
+        {'body': {'w': None}, 'head': {'w': tensor([0., 0.])}}
+        >>> grads = {"body": {"w": torch.ones(2)}, "head": {"w": torch.ones(2)}}
+        >>> new, state = opt.step(params, grads, state)
+        >>> new["body"]["w"] is params["body"]["w"], new["head"]["w"]
+        (True, tensor([0.5000, 0.5000]))
     """
     return Masked(optimizer, tuple(patterns))

@@ -6,14 +6,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._adam import check_lr
-from modstate.optim._base import LearningRate, Optimizer, Run
+from modstate.optim._base import AdamLike, Betas, LearningRate
+from modstate.optim._checks import check_hyperparameter
 from modstate.optim._lists import Scalar
-from modstate.optim._tree import check_betas, check_hyperparameter, read_number
+from modstate.optim._run import Run
+from modstate.optim._tree import read_number
 
 
 @dataclass(frozen=True)
-class NAdam(Optimizer):
+class NAdam(AdamLike):
     """Pure NAdam (Adam with Nesterov momentum); build it with `modstate.optim.nadam`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), in
@@ -28,55 +29,56 @@ class NAdam(Optimizer):
 
     The state is ``{"step", "mu_product", "exp_avg", "exp_avg_sq"}``; ``mu_product`` (``P``) is
     a 0-dim tensor shared by all leaves, as the step counter is.
+
+    Args:
+        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum_decay``,
+            ``decoupled_weight_decay``, ``maximize``: as in `modstate.optim.nadam`, which builds it
+            with `torch.optim.NAdam`'s argument names and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.nadam(lr=0.1) == NAdam(lr=0.1)
+        True
     """
 
     name = "nadam"
     scalar_names = ("mu_product",)
 
     lr: LearningRate = 2e-3
-    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
-    eps: Scalar = 1e-8
-    weight_decay: Scalar = 0.0
     momentum_decay: Scalar = 4e-3
     decoupled_weight_decay: bool = False
     maximize: bool = False
 
     def __post_init__(self) -> None:
-        check_lr(self.lr)
-        object.__setattr__(self, "betas", check_betas(self.betas))
-        check_hyperparameter("eps", self.eps, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
-        check_hyperparameter("momentum_decay", self.momentum_decay, low=0.0)
+        super().__post_init__()
+        check_hyperparameter(self.name, "momentum_decay", self.momentum_decay, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
     def _mu_product(self, run: Run, mu: Scalar) -> Tensor:
+        """This step's product of the momentum factors, computed once per step (a step that
+        runs its update chunk by chunk asks for it once per chunk)."""
+        found = run.once.get("mu_product")
+        if found is not None:
+            return found
         product = run.scalars["mu_product"]
         if run.donated:
             product.mul_(mu)
-            return product
-        if isinstance(mu, Tensor):
+        elif isinstance(mu, Tensor):
             # As the kernel does with a number: the factor in the product's dtype first.
-            return product * mu.to(product.dtype)
-        return product * mu
+            product = product * mu.to(product.dtype)
+        else:
+            product = product * mu
+        run.once["mu_product"] = product
+        return product
 
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own, t = run.hyper, run.ops, run.own_buffers, run.count
-        lr, eps, weight_decay, momentum_decay = (
-            h["lr"],
-            h["eps"],
-            h["weight_decay"],
-            h["momentum_decay"],
-        )
+        lr, eps, momentum_decay = h["lr"], h["eps"], h["momentum_decay"]
         beta1, beta2 = h["betas"]
         bias_correction2 = 1 - beta2**t
-        if self.decoupled_weight_decay:
-            run.maximize_and_decay(self.maximize, 0)
-            run.decay_params(lr, weight_decay)
-        else:
-            run.maximize_and_decay(self.maximize, weight_decay)
+        run.begin(self.maximize, decoupled_weight_decay=self.decoupled_weight_decay)
         mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
         mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * momentum_decay)))
         mu_product = self._mu_product(run, mu)
@@ -85,7 +87,10 @@ class NAdam(Optimizer):
         exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
         exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
-        denom = ops.sqrt(ops.div(exp_avg_sq, bias_correction2), own=True)
+        if run.multi_tensor:  # torch.optim's multi-tensor order: sqrt(v) / sqrt(1 - beta2**t)
+            denom = ops.div(ops.sqrt(exp_avg_sq), bias_correction2**0.5, own=True)
+        else:
+            denom = ops.sqrt(ops.div(exp_avg_sq, bias_correction2), own=True)
         denom = ops.add_scalar(denom, eps, own=True)
 
         product = read_number(mu_product)
@@ -100,3 +105,55 @@ class NAdam(Optimizer):
             run.p, exp_avg, denom, (-lr * mu_next) / (1.0 - mu_product_next), own=True
         )
         return {"mu_product": mu_product}
+
+
+def nadam(
+    lr: LearningRate = 2e-3,
+    betas: Betas = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0,
+    momentum_decay: Scalar = 4e-3,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+) -> NAdam:
+    """NAdam (Adam with Nesterov momentum), with `torch.optim.NAdam`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        betas: the decay rates ``(beta1, beta2)`` of the first and second moment estimates.
+        eps: added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient (decoupled with
+            `decoupled_weight_decay`).
+        momentum_decay: the momentum schedule's decay.
+        decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+
+    Returns:
+        An `NAdam` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = nadam(lr=0.1)
+        >>> params = {"w": torch.zeros(1)}
+        >>> params, state = opt.step(params, {"w": torch.ones(1)}, opt.init(params))
+        >>> params["w"]
+        tensor([-0.1056])
+    """
+    return NAdam(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        momentum_decay=momentum_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize,
+        foreach=foreach,
+    )

@@ -7,14 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modstate.optim._adam import check_lr
-from modstate.optim._base import LearningRate, Optimizer, Run
-from modstate.optim._lists import Scalar
-from modstate.optim._tree import check_betas, check_hyperparameter
+from modstate.optim._base import AdamLike, Betas, LearningRate
+from modstate.optim._lists import Leaves, Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class RAdam(Optimizer):
+class RAdam(AdamLike):
     """Pure RAdam (rectified Adam); build it with `modstate.optim.radam`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), in
@@ -29,22 +28,21 @@ class RAdam(Optimizer):
         p = p - u
 
     The state is ``{"step", "exp_avg", "exp_avg_sq"}``.
+
+    Args:
+        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay``,
+            ``maximize``: as in `modstate.optim.radam`, which builds it with `torch.optim.RAdam`'s
+            argument names and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.radam(lr=0.1) == RAdam(lr=0.1)
+        True
     """
 
     name = "radam"
 
-    lr: LearningRate = 1e-3
-    betas: tuple[Scalar, Scalar] = (0.9, 0.999)
-    eps: Scalar = 1e-8
-    weight_decay: Scalar = 0.0
     decoupled_weight_decay: bool = False
     maximize: bool = False
-
-    def __post_init__(self) -> None:
-        check_lr(self.lr)
-        object.__setattr__(self, "betas", check_betas(self.betas))
-        check_hyperparameter("eps", self.eps, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -52,18 +50,17 @@ class RAdam(Optimizer):
 
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own, t = run.hyper, run.ops, run.own_buffers, run.count
-        lr, eps, weight_decay = h["lr"], h["eps"], h["weight_decay"]
+        lr, eps = h["lr"], h["eps"]
         beta1, beta2 = h["betas"]
-        if self.decoupled_weight_decay:
-            run.maximize_and_decay(self.maximize, 0)
-            run.decay_params(lr, weight_decay)
-        else:
-            run.maximize_and_decay(self.maximize, weight_decay)
+        run.begin(self.maximize, decoupled_weight_decay=self.decoupled_weight_decay)
         g = run.g
         exp_avg = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
         exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
         exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
+        if run.multi_tensor:
+            run.p = self._multi_tensor_update(run, exp_avg, exp_avg_sq)
+            return {}
 
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
@@ -87,3 +84,76 @@ class RAdam(Optimizer):
             spare = adaptive
         run.p = ops.add(run.p, update, -1.0, own=run.own_p, into=spare)
         return {}
+
+    @staticmethod
+    def _multi_tensor_update(run: Run, exp_avg: Leaves, exp_avg_sq: Leaves) -> Leaves:
+        """The new params in torch.optim's multi-tensor order (an eager step: `t` is a number):
+        ``p + m * u`` with ``u = 1 / ((sqrt(v) + eps) / (sqrt(1 - beta2**t) * -lr * rect /
+        (1 - beta1**t))) - lr * unrectified / (1 - beta1**t)``, where exactly one of `rect` and
+        `unrectified` is non-zero."""
+        h, ops, t = run.hyper, run.ops, float(run.count)
+        lr, (beta1, beta2) = h["lr"], h["betas"]
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * t * (beta2**t) / (1 - beta2**t)
+        rect = 0.0
+        if rho_t > 5:
+            rect = (
+                (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+            ) ** 0.5
+        unrectified = 0 if rect > 0 else 1.0
+        bias_correction1 = 1 - beta1**t
+        unrectified_step = (lr * unrectified / bias_correction1) * -1
+        rectified_step = ((1 - beta2**t) ** 0.5) * (lr * rect / bias_correction1) * -1
+        scale = ops.add_scalar(ops.sqrt(exp_avg_sq), h["eps"], own=True)
+        scale = ops.reciprocal(ops.div(scale, rectified_step, own=True), own=True)
+        scale = ops.add_scalar(scale, unrectified_step, own=True)
+        return ops.addcmul(run.p, exp_avg, scale, own=run.own_p)
+
+
+def radam(
+    lr: LearningRate = 1e-3,
+    betas: Betas = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+) -> RAdam:
+    """RAdam (rectified Adam), with `torch.optim.RAdam`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        betas: the decay rates ``(beta1, beta2)`` of the first and second moment estimates.
+        eps: added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient (decoupled with
+            `decoupled_weight_decay`).
+        decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+
+    Returns:
+        An `RAdam` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = radam(lr=0.1)
+        >>> params = {"w": torch.zeros(1)}
+        >>> params, state = opt.step(params, {"w": torch.ones(1)}, opt.init(params))
+        >>> params["w"]  # the first steps are momentum SGD (rho_t <= 5)
+        tensor([-0.1000])
+    """
+    return RAdam(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize,
+        foreach=foreach,
+    )

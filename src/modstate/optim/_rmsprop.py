@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from modstate.optim._adam import check_lr
-from modstate.optim._base import LearningRate, Optimizer, Run
-from modstate.optim._lists import Scalar, is_zero
-from modstate.optim._tree import check_hyperparameter
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
+from modstate.optim._checks import check_hyperparameter, check_lr, is_zero
+from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class RMSprop(Optimizer):
+class RMSprop(ElementwiseOptimizer):
     """Pure RMSprop; build it with `modstate.optim.rmsprop`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), in `torch.optim.RMSprop`'s order::
@@ -27,6 +27,15 @@ class RMSprop(Optimizer):
 
     The state is ``{"step", "square_avg"}``, plus ``"momentum_buffer"`` (momentum) and
     ``"grad_avg"`` (centered).
+
+    Args:
+        **hyperparameters: ``lr``, ``alpha``, ``eps``, ``weight_decay``, ``momentum``, ``centered``,
+            ``maximize``: as in `modstate.optim.rmsprop`, which builds it with
+            `torch.optim.RMSprop`'s argument names and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.rmsprop(lr=0.1) == RMSprop(lr=0.1)
+        True
     """
 
     name = "rmsprop"
@@ -40,11 +49,12 @@ class RMSprop(Optimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
-        check_lr(self.lr)
-        check_hyperparameter("alpha", self.alpha, low=0.0)
-        check_hyperparameter("eps", self.eps, low=0.0)
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
-        check_hyperparameter("momentum", self.momentum, low=0.0)
+        super().__post_init__()
+        check_lr(self.name, self.lr)
+        check_hyperparameter(self.name, "alpha", self.alpha, low=0.0)
+        check_hyperparameter(self.name, "eps", self.eps, low=0.0)
+        check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
+        check_hyperparameter(self.name, "momentum", self.momentum, low=0.0)
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -58,7 +68,7 @@ class RMSprop(Optimizer):
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
         alpha, eps = h["alpha"], h["eps"]
-        run.maximize_and_decay(self.maximize, h["weight_decay"])
+        run.begin(self.maximize)
         g = run.g
         square_avg = ops.mul(run.buffers["square_avg"], alpha, own=own)
         square_avg = ops.addcmul(square_avg, g, g, 1 - alpha, own=True)
@@ -78,3 +88,54 @@ class RMSprop(Optimizer):
         else:
             run.p = ops.addcdiv(run.p, g, avg, -h["lr"], own=run.own_p, into_zs=True)
         return {}
+
+
+def rmsprop(
+    lr: LearningRate = 1e-2,
+    alpha: Scalar = 0.99,
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0,
+    momentum: Scalar = 0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+) -> RMSprop:
+    """RMSprop, with `torch.optim.RMSprop`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        alpha: smoothing constant of the squared-gradient average.
+        eps: added to the denominator for numerical stability.
+        weight_decay: L2 penalty, added to the gradient.
+        momentum: momentum factor; with the number 0 the state keeps no momentum buffer.
+        centered: normalize by an estimate of the gradient's variance.
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+
+    Returns:
+        An `RMSprop` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = rmsprop(lr=0.01)
+        >>> params = {"w": torch.zeros(2)}
+        >>> params, state = opt.step(params, {"w": torch.tensor([1.0, -1.0])}, opt.init(params))
+        >>> params["w"]  # -0.01 * g / sqrt(0.01 * g * g)
+        tensor([-0.1000,  0.1000])
+    """
+    return RMSprop(
+        lr=lr,
+        alpha=alpha,
+        eps=eps,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        centered=centered,
+        maximize=maximize,
+        foreach=foreach,
+    )

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from modstate.optim._base import LearningRate, Optimizer, Run
-from modstate.optim._lists import Scalar, is_zero
-from modstate.optim._tree import check_hyperparameter
+from modstate.optim._base import ElementwiseOptimizer, LearningRate
+from modstate.optim._checks import check_hyperparameter, check_lr, is_zero
+from modstate.optim._lists import Scalar
+from modstate.optim._run import Run
 
 
 @dataclass(frozen=True)
-class SGD(Optimizer):
+class SGD(ElementwiseOptimizer):
     """Pure SGD; build it with `modstate.optim.sgd`.
 
     For each leaf with a gradient ``g`` (``-g`` if `maximize`), as `torch.optim.SGD` computes it::
@@ -25,9 +27,19 @@ class SGD(Optimizer):
 
     The state is ``{"step": 0-dim tensor, "momentum_buffer": tree}``; the buffer is left out when
     `momentum` is the number 0.
+
+    Args:
+        **hyperparameters: ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``,
+            ``maximize``: as in `modstate.optim.sgd`, which builds it with `torch.optim.SGD`'s
+            argument names and defaults (prefer the factory).
+
+    Example:
+        >>> modstate.optim.sgd(lr=0.1, momentum=0.9) == SGD(lr=0.1, momentum=0.9)
+        True
     """
 
     name = "sgd"
+    has_fused = True
 
     lr: LearningRate = 1e-3
     momentum: Scalar = 0.0
@@ -37,13 +49,16 @@ class SGD(Optimizer):
     maximize: bool = False
 
     def __post_init__(self) -> None:
-        if not callable(self.lr) or isinstance(self.lr, Tensor):
-            check_hyperparameter("lr", self.lr, low=0.0)
-        check_hyperparameter("momentum", self.momentum, low=0.0)
-        check_hyperparameter("dampening", self.dampening, low=-float("inf"))
-        check_hyperparameter("weight_decay", self.weight_decay, low=0.0)
+        super().__post_init__()
+        check_lr(self.name, self.lr)
+        check_hyperparameter(self.name, "momentum", self.momentum, low=0.0)
+        check_hyperparameter(self.name, "dampening", self.dampening, low=-float("inf"))
+        check_hyperparameter(self.name, "weight_decay", self.weight_decay, low=0.0)
         if self.nesterov and (is_zero(self.momentum) or not is_zero(self.dampening)):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            raise ValueError(
+                "sgd: 'nesterov': Nesterov momentum requires a momentum and zero dampening; "
+                "pass momentum > 0 and dampening=0, or nesterov=False"
+            )
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
@@ -51,7 +66,7 @@ class SGD(Optimizer):
 
     def update(self, run: Run) -> dict[str, Tensor]:
         h, ops = run.hyper, run.ops
-        run.maximize_and_decay(self.maximize, h["weight_decay"])
+        run.begin(self.maximize)
         if not is_zero(self.momentum):
             momentum = h["momentum"]
             b = run.buffers["momentum_buffer"]
@@ -71,3 +86,67 @@ class SGD(Optimizer):
                 run.g = b
         run.p = ops.add(run.p, run.g, -h["lr"], own=run.own_p)
         return {}
+
+    def fused_update(self, run: Run) -> dict[str, Tensor]:
+        h = run.hyper
+        for p, g, buffers, _ in run.fused_groups(self.buffer_names):
+            momentum_buffers = buffers[0] if buffers else []
+            torch._fused_sgd_(
+                p, g, momentum_buffers,
+                weight_decay=h["weight_decay"], momentum=h["momentum"], lr=h["lr"],
+                dampening=h["dampening"], nesterov=self.nesterov, maximize=self.maximize,
+                is_first_step=bool(run.first) and bool(momentum_buffers),
+            )  # fmt: skip
+        return {}
+
+
+def sgd(
+    lr: LearningRate = 1e-3,
+    momentum: Scalar = 0,
+    dampening: Scalar = 0,
+    weight_decay: Scalar = 0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+) -> SGD:
+    """Stochastic gradient descent, with `torch.optim.SGD`'s arguments and numbers.
+
+    Args:
+        lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
+        momentum: momentum factor; with the number 0 the state keeps no momentum buffer.
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty, added to the gradient.
+        nesterov: Nesterov momentum (needs a momentum and zero dampening).
+        maximize: ascend the objective instead of descending it.
+        foreach: as torch.optim's: True for its multi-tensor path, False for its
+            single-tensor one, None for its default on the device ("Kernels" in
+            `modstate.optim`).
+        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+
+    Returns:
+        An `SGD` optimizer (an `Optimizer`).
+
+    Raises:
+        ValueError: a hyperparameter out of torch.optim's range, or both flags True, or Nesterov without momentum.
+        TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
+
+    Example:
+        >>> opt = sgd(lr=0.1, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.step(params, {"w": torch.ones(2)}, state)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return SGD(
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        foreach=foreach,
+        fused=fused,
+    )

@@ -38,19 +38,25 @@ _PARAMETER_SHAPED = frozenset(
     }
 )
 _GROUP_PATH_KEYS = ("params", "param_names")
+_LOAD = "load_optimizer_state"
 
 
-def _group_paths(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str]]:
+def _group_paths(
+    optimizer: torch.optim.Optimizer, module: nn.Module, function: str
+) -> list[list[str]]:
     """The dotted path of every parameter of every group of `optimizer`, in the group's order."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         if hasattr(optimizer, "init") and hasattr(optimizer, "step"):
             raise TypeError(
-                f"expected a torch.optim.Optimizer, got modstate's pure "
+                f"{function}: 'optimizer': expected a torch.optim.Optimizer, got modstate's pure "
                 f"{type(optimizer).__name__}, which holds no state: its state is the tree that "
                 f"its init and step return, already keyed by parameter path; save that tree "
                 f"directly (e.g. modstate.checkpoint.save)"
             )
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"{function}: 'optimizer': expected a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; pass the torch.optim optimizer that steps the module"
+        )
     path_of = {id(p): name for name, p in module.named_parameters()}
     result = []
     for g, group in enumerate(optimizer.param_groups):
@@ -59,8 +65,10 @@ def _group_paths(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[li
             path = path_of.get(id(param))
             if path is None:
                 raise ValueError(
-                    f"parameter {i} of the optimizer's param group {g} (shape "
-                    f"{tuple(param.shape)}) is not a parameter of the {type(module).__name__}"
+                    f"{function}: 'param_groups.{g}.params.{i}': parameter {i} of the "
+                    f"optimizer's param group {g} (shape {tuple(param.shape)}) is not a "
+                    f"parameter of the {type(module).__name__}; pass the module the optimizer "
+                    f"steps"
                 )
             paths.append(path)
         result.append(paths)
@@ -76,17 +84,30 @@ def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict
     and its parameters as dotted paths. The leaves are the optimizer's own state tensors, as
     `optimizer.state_dict()` gives them: clone the tree to keep a snapshot across steps.
 
-    >>> model = nn.Sequential(nn.Linear(2, 2))
-    >>> opt = torch.optim.Adam(model.parameters())
-    >>> model(torch.ones(1, 2)).sum().backward()
-    >>> opt.step()
-    >>> tree = optimizer_state(opt, model)
-    >>> sorted(modstate.flatten(tree["state"]))[:3]
-    ['0.bias.exp_avg', '0.bias.exp_avg_sq', '0.bias.step']
-    >>> tree["param_groups"][0]["params"]
-    ['0.weight', '0.bias']
+    Args:
+        optimizer: a stateful `torch.optim.Optimizer`.
+        module: the module whose parameters it steps (a parameter is named by its path here).
+
+    Returns:
+        ``{"state": tree, "param_groups": [{"params": [paths], <hyperparameters>}, ...]}``.
+
+    Raises:
+        TypeError: `optimizer` is not a `torch.optim.Optimizer` (a modstate optimizer's state
+            is already a tree: the message says so).
+        ValueError: the optimizer holds a parameter that is not the module's.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()
+        >>> tree = optimizer_state(opt, model)
+        >>> sorted(modstate.flatten(tree["state"]))[:3]
+        ['0.bias.exp_avg', '0.bias.exp_avg_sq', '0.bias.step']
+        >>> tree["param_groups"][0]["params"]
+        ['0.weight', '0.bias']
     """
-    group_paths = _group_paths(optimizer, module)
+    group_paths = _group_paths(optimizer, module, "optimizer_state")
     packed = optimizer.state_dict()
     path_of_id: dict[Any, str] = {}
     for saved, paths in zip(packed["param_groups"], group_paths):
@@ -96,7 +117,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict
     for param_id, entries in packed["state"].items():
         if param_id not in path_of_id:
             raise ValueError(
-                f"the optimizer holds state under {param_id!r}, which names none of its parameters"
+                f"optimizer_state: 'state.{param_id}': the optimizer holds state under a key "
+                f"that names none of its parameters; repair the optimizer's state_dict first"
             )
         by_path[path_of_id[param_id]] = entries
 
@@ -104,7 +126,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict
     for path, _ in module.named_parameters():
         for key, value in by_path.get(path, {}).items():
             if not isinstance(key, str) or "." in key:
-                raise ValueError(f"state key {key!r} of {path!r} cannot be part of a dotted path")
+                raise ValueError(
+                    f"optimizer_state: '{path}': state key {key!r} cannot be part of a dotted "
+                    f"path; use state keys that are strings without dots"
+                )
             flat[f"{path}.{key}"] = value
 
     param_groups = []
@@ -132,34 +157,46 @@ def _check_groups(
 ) -> None:
     current = optimizer.param_groups
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
-        raise ValueError(f"param_groups must be a list, got {type(groups).__name__}")
+        raise ValueError(
+            f"{_LOAD}: 'param_groups': a {type(groups).__name__}; pass the list that "
+            f"optimizer_state returned"
+        )
     if len(groups) != len(current):
         raise ValueError(
-            f"the tree has {len(groups)} param groups, the optimizer has {len(current)}"
+            f"{_LOAD}: 'param_groups': the tree has {len(groups)} param groups, the optimizer "
+            f"has {len(current)}; build the optimizer with the saved optimizer's groups"
         )
     group_of = {path: g for g, paths in enumerate(group_paths) for path in paths}
     for g, (saved, paths) in enumerate(zip(groups, group_paths)):
         if not isinstance(saved, Mapping) or "params" not in saved:
-            raise ValueError(f"param_groups[{g}] must be a dict with a 'params' list of paths")
+            raise ValueError(
+                f"{_LOAD}: 'param_groups.{g}': not a dict with a 'params' list of paths; pass "
+                f"the groups that optimizer_state returned"
+            )
         saved_paths = list(saved["params"])
         for path in saved_paths:
             if path not in module_paths:
                 raise ValueError(
-                    f"param_groups[{g}] lists {path!r}, which is not a parameter of the module"
+                    f"{_LOAD}: '{path}': param group {g} lists it, but it is not a parameter "
+                    f"of the module; load the tree into the model it was saved from"
                 )
             if path not in paths:
                 where = f"group {group_of[path]}" if path in group_of else "none of its groups"
                 raise ValueError(
-                    f"param_groups[{g}] lists {path!r}, which the optimizer holds in {where}"
+                    f"{_LOAD}: '{path}': param group {g} lists it, but the optimizer holds it "
+                    f"in {where}; group the optimizer's parameters as the saved one did"
                 )
         if len(set(saved_paths)) != len(saved_paths):
             twice = next(p for p in saved_paths if saved_paths.count(p) > 1)
-            raise ValueError(f"param_groups[{g}] lists {twice!r} twice")
+            raise ValueError(
+                f"{_LOAD}: '{twice}': param group {g} lists it twice; list each path once"
+            )
         missing = [path for path in paths if path not in saved_paths]
         if missing:
             raise ValueError(
-                f"param_groups[{g}] does not list {missing[0]!r}, which the optimizer's "
-                f"group {g} holds"
+                f"{_LOAD}: '{missing[0]}': the optimizer's group {g} holds it, but param group "
+                f"{g} of the tree does not list it; group the optimizer's parameters as the "
+                f"saved one did"
             )
         # One-sided differences are versions (a hyperparameter torch added later) or LR
         # schedulers ("initial_lr"); differences both ways mean another kind of optimizer.
@@ -167,8 +204,9 @@ def _check_groups(
         lacking = sorted(set(current[g]) - set(saved) - set(_GROUP_PATH_KEYS) - {"initial_lr"})
         if extra and lacking:
             raise ValueError(
-                f"param_groups[{g}] has hyperparameters {extra} and lacks {lacking} of "
-                f"{type(optimizer).__name__}: it comes from another kind of optimizer"
+                f"{_LOAD}: 'param_groups.{g}': has hyperparameters {extra} and lacks "
+                f"{lacking} of {type(optimizer).__name__}: it comes from another kind of "
+                f"optimizer; load it into the kind of optimizer that saved it"
             )
 
 
@@ -177,7 +215,10 @@ def _check_state(
 ) -> dict[str, Mapping[str, Any]]:
     """Each optimized parameter's state entries in `state`, checked; nothing else may be there."""
     if not isinstance(state, Mapping):
-        raise ValueError(f"the tree's 'state' must be a dict, got {type(state).__name__}")
+        raise ValueError(
+            f"{_LOAD}: 'state': a {type(state).__name__}; pass the dict that optimizer_state "
+            f"returned"
+        )
     optimized = [path for paths in group_paths for path in paths]
     entries_of: dict[str, Mapping[str, Any]] = {}
     for path in optimized:
@@ -186,8 +227,8 @@ def _check_state(
             continue
         if not isinstance(entries, Mapping):
             raise ValueError(
-                f"state at {path!r} must be a dict of that parameter's state "
-                f"(exp_avg, step, ...), got {type(entries).__name__}"
+                f"{_LOAD}: '{path}': the state there is a {type(entries).__name__}; it must be "
+                f"a dict of that parameter's state (exp_avg, step, ...)"
             )
         entries_of[path] = entries
 
@@ -199,10 +240,12 @@ def _check_state(
             owner = next((p for p in module_params if key.startswith(p + ".")), None)
             if owner is not None:
                 raise ValueError(
-                    f"the tree has state {key!r} for {owner!r}, which the optimizer does not hold"
+                    f"{_LOAD}: '{key}': state for {owner!r}, which the optimizer does not "
+                    f"hold; give the optimizer that parameter, or drop its state from the tree"
                 )
             raise ValueError(
-                f"the tree has state {key!r}, which is under no parameter of the module"
+                f"{_LOAD}: '{key}': state under no parameter of the module; load the tree into "
+                f"the model it was saved from"
             )
 
     for path, entries in entries_of.items():
@@ -212,12 +255,13 @@ def _check_state(
                 continue
             if key in _PARAMETER_SHAPED and value.shape != shape:
                 raise ValueError(
-                    f"state {path}.{key} has shape {tuple(value.shape)}, but the parameter "
-                    f"{path!r} has shape {tuple(shape)}"
+                    f"{_LOAD}: '{path}.{key}': state of shape {tuple(value.shape)}, but the "
+                    f"parameter {path!r} has shape {tuple(shape)}; load the tree into the "
+                    f"model it was saved from"
                 )
             if key == "step" and value.numel() != 1:
                 raise ValueError(
-                    f"state {path}.step must hold one number, got shape {tuple(value.shape)}"
+                    f"{_LOAD}: '{path}.step': shape {tuple(value.shape)}; a step holds one number"
                 )
     return entries_of
 
@@ -263,16 +307,33 @@ def load_optimizer_state(
     tensor whose shape differs from its parameter's, the hyperparameters of another kind of
     optimizer) raises a ValueError naming the path, and the optimizer is left as it was.
 
-    >>> model = nn.Sequential(nn.Linear(2, 2))
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    >>> fresh = nn.Sequential(nn.Linear(2, 2))
-    >>> fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    >>> load_optimizer_state(fresh_opt, fresh, optimizer_state(opt, model))
+    Args:
+        optimizer: the `torch.optim.Optimizer` to load into (fresh or not).
+        module: the module whose parameters it steps.
+        tree: what `optimizer_state` returned (or a checkpoint of it).
+
+    Returns:
+        None; `optimizer` holds the tree's state and hyperparameters.
+
+    Raises:
+        TypeError: `optimizer` is not a `torch.optim.Optimizer`.
+        ValueError: the tree does not fit the optimizer and module (the message names the
+            path); nothing was changed.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> fresh = nn.Sequential(nn.Linear(2, 2))
+        >>> fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        >>> load_optimizer_state(fresh_opt, fresh, optimizer_state(opt, model))
     """
     if not isinstance(tree, Mapping) or set(tree) != {"state", "param_groups"}:
         keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
-        raise ValueError(f"expected a dict with keys 'state' and 'param_groups', got {keys}")
-    group_paths = _group_paths(optimizer, module)
+        raise ValueError(
+            f"{_LOAD}: '<root>': got {keys}; pass the dict with keys 'state' and "
+            f"'param_groups' that optimizer_state returned"
+        )
+    group_paths = _group_paths(optimizer, module, _LOAD)
     module_params = dict(module.named_parameters())
     _check_groups(optimizer, tree["param_groups"], group_paths, set(module_params))
     entries_of = _check_state(tree["state"], group_paths, module_params)

@@ -15,7 +15,6 @@ tie), and the new tensor stands at every path of the tie, so the result still fi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from numbers import Number
 from typing import Any
 
 import optree
@@ -23,43 +22,9 @@ import torch
 from torch import Tensor
 
 from modstate._core.torch_facts import functorch_active
-from modstate.optim._lists import Leaves, Scalar
+from modstate.optim._lists import Leaves
 from modstate.tree._ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.tree._walk import leaves_with_paths
-
-
-def check_hyperparameter(
-    name: str,
-    value: object,
-    *,
-    low: float,
-    high: float | None = None,
-    high_inclusive: bool = False,
-) -> None:
-    """Check a hyperparameter the way torch.optim does; a tensor must be 0-dim (values unchecked)."""
-    if isinstance(value, Tensor):
-        if value.dim() != 0:
-            raise ValueError(
-                f"{name} must be a number or a 0-dim tensor, got shape {tuple(value.shape)}"
-            )
-        if not (value.is_floating_point() or value.is_complex()):
-            raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
-        return
-    if isinstance(value, bool) or not isinstance(value, Number):
-        raise TypeError(f"{name} must be a number or a 0-dim tensor, got {type(value).__name__}")
-    above = high is not None and (value > high if high_inclusive else value >= high)
-    if value < low or above:
-        closing = "]" if high_inclusive else ")"
-        bounds = f"in [{low}, {high}{closing}" if high is not None else f">= {low}"
-        raise ValueError(f"invalid {name}: {value} (must be {bounds})")
-
-
-def check_betas(betas: object) -> tuple[Scalar, Scalar]:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    check_hyperparameter("beta1", betas[0], low=0.0, high=1.0)
-    check_hyperparameter("beta2", betas[1], low=0.0, high=1.0)
-    return (betas[0], betas[1])
 
 
 def scalar_dtype(device: torch.device) -> torch.dtype:
@@ -78,7 +43,7 @@ def new_scalar(value: float = 0.0) -> Tensor:
 def read_number(value: Tensor) -> float | None:
     """The value as a number when reading it is free (a CPU tensor, no transform, no trace)."""
     if (
-        value.device.type != "cpu"
+        not value.is_cpu
         or value.requires_grad
         or functorch_active()
         or torch.compiler.is_compiling()
@@ -87,72 +52,77 @@ def read_number(value: Tensor) -> float | None:
     return value.item()
 
 
-def _dotted(path: tuple[Any, ...]) -> str:
+def dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(key) for key in path) or "<root>"
 
 
 def _paths(tree: Any) -> list[str]:
-    return [_dotted(p) for p in optree.tree_paths(tree, none_is_leaf=False)]
+    return [dotted(p) for p in optree.tree_paths(tree, none_is_leaf=False)]
 
 
-def _not_float(path: str, leaf: Tensor) -> TypeError:
+_FLOATING = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
+
+
+def _not_float(function: str, path: str, leaf: Tensor) -> TypeError:
     return TypeError(
-        f"params leaf {path!r} is {leaf.dtype}, and an optimizer steps floating-point or "
-        f"complex leaves only: leave it out of the tree, e.g. "
-        f"params = ms.tree.exclude(params, {path!r}) (or set it to None), or take the "
-        f"trainable leaves of a model with params, state = ms.split(model, detach=True)"
+        f"{function}: '{path}': a {leaf.dtype} leaf; an optimizer steps floating-point (or "
+        f"complex) leaves only, and integer state such as BatchNorm's num_batches_tracked is "
+        f"carried, not trained; take the trainable part of the model with params, state = "
+        f"ms.split(model, detach=True), step params, and run the model with "
+        f"out, state = ms.apply(model, params, state, x) (see ms.grad for the gradients)"
     )
 
 
-def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec]:
+def flatten_params(params: Any, function: str) -> tuple[list[Tensor], optree.PyTreeSpec]:
     """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
     leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
     for index, leaf in enumerate(leaves):
+        if type(leaf) is Tensor and leaf.dtype in _FLOATING:
+            continue  # the common case, decided without the slower checks below
         if not isinstance(leaf, Tensor):
-            path = _paths(params)[index]
-            raise TypeError(f"params leaf {path!r} is {type(leaf).__name__}, not a tensor")
+            raise TypeError(
+                f"{function}: '{_paths(params)[index]}': a {type(leaf).__name__} leaf, not a "
+                f"tensor; leave it out of params (or set it to None, an empty subtree)"
+            )
         if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise _not_float(_paths(params)[index], leaf)
+            raise _not_float(function, _paths(params)[index], leaf)
     return leaves, treedef
 
 
-def _mismatch(params: Any, tree: Any, what: str) -> str:
-    """The first dotted path where `tree` does not have the structure of `params`."""
+def mismatch(function: str, params: Any, tree: Any, what: str) -> str:
+    """The error for `tree` (named `what`) not having the structure of `params`: the first
+    dotted path where they differ."""
     param_paths = _paths(params)
-    tree_paths = [_dotted(p) for p in optree.tree_paths(tree, none_is_leaf=True)]
+    tree_paths = [dotted(p) for p in optree.tree_paths(tree, none_is_leaf=True)]
     param_set, tree_set = set(param_paths), set(tree_paths)
     missing = [p for p in param_paths if p not in tree_set]
     extra = [p for p in tree_paths if p not in param_set]
+    fix = f"pass {what} with the structure of params (None where a leaf has no gradient)"
     if missing:
-        return f"{what} has no leaf at {missing[0]!r}, a path of params"
+        return f"{function}: '{missing[0]}': a path of params that {what} lacks; {fix}"
     if extra:
-        return f"{what} has a leaf at {extra[0]!r}, which is not a path of params"
-    return f"{what} does not have the structure of params"
+        return f"{function}: '{extra[0]}': {what} has a leaf here, which params has not; {fix}"
+    return f"{function}: '<root>': {what} does not have the structure of params; {fix}"
 
 
 def init_buffers(
-    params: Any, names: Iterable[str], fill: Callable[[str, Tensor], Tensor] | None = None
+    params: Any, names: Iterable[str], fill: Callable[[str, Tensor], Tensor], owner: str
 ) -> dict[str, Any]:
-    """Trees shaped like `params`, one per name: zeros, or ``fill(name, leaf)``."""
-    leaves, treedef = flatten_params(params)
-
-    def make(name: str, leaf: Tensor) -> Tensor:
-        if fill is not None:
-            return fill(name, leaf)
-        return torch.zeros_like(leaf, memory_format=torch.preserve_format)
+    """Trees shaped like `params`, one per name, each leaf ``fill(name, leaf)``."""
+    leaves, treedef = flatten_params(params, f"{owner}.init")
 
     def tree_of(name: str) -> Any:
-        make_once = keeping_ties(lambda leaf: make(name, leaf))  # a tie has one buffer
+        make_once = keeping_ties(lambda leaf: fill(name, leaf))  # a tie has one buffer
         return treedef.unflatten([make_once(leaf) for leaf in leaves])
 
     return {name: tree_of(name) for name in names}
 
 
-def _walk_order(params: Any, leaves: list[Tensor]) -> list[int] | None:
+def _walk_order(params: Any, leaves: list[Tensor]) -> list[int]:
     """The positions of optree's ``leaves`` (sorted dict keys) in the tree's walk order (dict
-    insertion order, which is module order for trees from ``extract``); None without ties."""
-    if not has_ties(leaves):
-        return None
+    insertion order, which is module order for trees from ``extract``)."""
     rank = {path: i for i, (path, _) in enumerate(leaves_with_paths(params))}
     paths = _paths(params)
     return sorted(range(len(leaves)), key=lambda index: rank[paths[index]])
@@ -179,8 +149,11 @@ class StepLeaves:
     """
 
     __slots__ = (
+        "_all_real",
         "_complex",
+        "_function",
         "_params_tree",
+        "_signature",
         "_ties",
         "_treedef",
         "active",
@@ -198,43 +171,81 @@ class StepLeaves:
         owner: str,
     ) -> None:
         self._params_tree = params
-        self.params, self._treedef = flatten_params(params)
+        self._function = f"{owner}.step"
+        self.params, self._treedef = flatten_params(params, self._function)
+        self._signature = [(leaf.shape, leaf.dtype) for leaf in self.params]
         self.grads = self._leaves_like(grads, "grads", allow_none=True)
         self.buffers = {
             name: self._leaves_like(state[name], f"state[{name!r}]", allow_none=False)
             for name in buffer_names
         }
-        self._ties = tie_pairs(self.params, _walk_order(params, self.params))
+        tied = has_ties(self.params)
+        self._ties = tie_pairs(self.params, _walk_order(params, self.params)) if tied else []
         repeated = {index for index, _ in self._ties}
         self.active = [i for i, g in enumerate(self.grads) if g is not None and i not in repeated]
         self._complex = [leaf.is_complex() for leaf in self.params]
+        # Every leaf stepped, none complex: gather is a copy of the list.
+        self._all_real = len(self.active) == len(self.params) and not any(self._complex)
 
     def _leaves_like(self, tree: Any, what: str, *, allow_none: bool) -> list[Any]:
         try:
             leaves = self._treedef.flatten_up_to(tree)
         except (ValueError, TypeError):
-            raise ValueError(_mismatch(self._params_tree, tree, what)) from None
+            raise ValueError(mismatch(self._function, self._params_tree, tree, what)) from None
+        try:  # the common case: every leaf a tensor of its param's shape and dtype
+            if [(leaf.shape, leaf.dtype) for leaf in leaves] == self._signature:
+                return leaves
+        except AttributeError:  # a None (or other) leaf: the checks below say which
+            pass
         for index, (param, leaf) in enumerate(zip(self.params, leaves)):
             if leaf is None and allow_none:
+                continue
+            if type(leaf) is Tensor and leaf.dtype is param.dtype and leaf.shape == param.shape:
                 continue
             problem = _misfit(param, leaf)
             if problem is not None:
                 path = _paths(self._params_tree)[index]
-                raise ValueError(f"{what} at {path!r} {problem}")
+                raise ValueError(
+                    f"{self._function}: '{path}': {what} {problem}; pass {what} of the "
+                    f"params' shapes and dtypes"
+                )
         return leaves
 
     def gather(self, leaves: Sequence[Tensor | None]) -> Leaves:
-        return [
-            torch.view_as_real(leaves[i]) if self._complex[i] else leaves[i]  # type: ignore[misc]
-            for i in self.active
-        ]
+        if self._all_real:
+            return list(leaves)  # type: ignore[arg-type]  # every leaf is active: no None
+        gathered = []
+        for i in self.active:
+            leaf = leaves[i]
+            assert leaf is not None  # active leaves have a gradient and state
+            gathered.append(torch.view_as_real(leaf) if self._complex[i] else leaf)
+        return gathered
 
     def rebuild(self, full: Sequence[Tensor], updated: Sequence[Tensor]) -> Any:
         leaves = list(full)
         for index, value in zip(self.active, updated):
             leaves[index] = torch.view_as_complex(value) if self._complex[index] else value
-        retie(leaves, self._ties)
+        if self._ties:
+            retie(leaves, self._ties)
         return self._treedef.unflatten(leaves)
+
+    @property
+    def treedef(self) -> optree.PyTreeSpec:
+        """The structure of params (optree's, None an empty subtree)."""
+        return self._treedef
+
+    @property
+    def simple(self) -> bool:
+        """Every leaf has a gradient, none is complex, no tensor stands at two paths."""
+        return self._all_real and not self._ties
+
+    def active_params(self) -> list[Tensor]:
+        """The params that this step updates, as they are (complex ones not viewed as real)."""
+        return [self.params[i] for i in self.active]
+
+    def active_path(self, position: int) -> str:
+        """The dotted path of the `position`-th updated param."""
+        return _paths(self._params_tree)[self.active[position]]
 
     @property
     def device(self) -> torch.device:

@@ -1,46 +1,15 @@
-"""Learning-rate schedules: functions of the step count, usable as an optimizer's ``lr=``.
-
-Each schedule ``s`` maps the number of steps already taken (``0`` for the first step) to the
-learning rate of the next step, and equals the matching `torch.optim.lr_scheduler` at every step,
-bit for bit: ``s(t)`` is the ``lr`` that torch's optimizer uses in its ``t + 1``-th step when the
-scheduler steps after every optimizer step. Arguments are named as torch's; the base learning rate
-(the optimizer's ``lr`` in torch) comes first.
-
-Several torch schedulers update the learning rate recursively (``lr = lr * gamma``), which rounds
-differently from the closed form; a schedule called with a number replays that recursion (cached,
-so a training loop pays O(1) per step). Called with a tensor (the step counter under `vmap`,
-`grad` or `torch.compile`) it uses the closed form, equal up to rounding.
-
->>> opt = modstate.optim.sgd(lr=modstate.optim.schedules.step(0.1, step_size=2, gamma=0.5))
->>> params = {"w": torch.zeros(1)}
->>> state = opt.init(params)
->>> for _ in range(4):
-...     params, state = opt.step(params, {"w": torch.ones(1)}, state)
->>> params["w"]  # 0.1 + 0.1 + 0.05 + 0.05
-tensor([-0.3000])
-"""
+"""The schedules as torch computes them: each kind replays its `torch.optim.lr_scheduler`'s
+recursion when called with a number, and uses the closed form when called with a tensor."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
-
-__all__ = [
-    "constant",
-    "cosine",
-    "exponential",
-    "linear_warmup",
-    "multistep",
-    "onecycle",
-    "step",
-    "warmup_cosine",
-]
 
 Count = int | float | Tensor
 
@@ -48,7 +17,10 @@ Count = int | float | Tensor
 def _index(count: float) -> int:
     index = int(count)
     if index != count or index < 0:
-        raise ValueError(f"a schedule takes a step count >= 0, got {count!r}")
+        raise ValueError(
+            f"schedule: '<count>': got {count!r}; a schedule takes the number of steps taken, "
+            f"an integer >= 0"
+        )
     return index
 
 
@@ -132,7 +104,9 @@ class MultiStep(_Recursive):
         return previous * self.gamma**times if times else previous
 
     def closed_form(self, count: Tensor) -> Tensor:
-        passed = sum((count >= m).to(count.dtype) for m in self.milestones)
+        passed = torch.zeros_like(count)
+        for milestone in self.milestones:
+            passed = passed + (count >= milestone).to(count.dtype)
         return self.lr * self.gamma**passed
 
 
@@ -265,7 +239,8 @@ class OneCycle:
 
     def _anneal(self, start: float, end: float, pct: Count) -> float | Tensor:
         if self.anneal_strategy == "cos":
-            cos_out = (torch.cos if isinstance(pct, Tensor) else math.cos)(math.pi * pct) + 1
+            angle = math.pi * pct
+            cos_out = (torch.cos(angle) if isinstance(angle, Tensor) else math.cos(angle)) + 1
             return end + (start - end) / 2.0 * cos_out
         return (end - start) * pct + start
 
@@ -286,7 +261,8 @@ class OneCycle:
         index = _index(count)
         if index > self.total_steps:
             raise ValueError(
-                f"onecycle was told total_steps={self.total_steps}, but was asked for step {index}"
+                f"onecycle: 'total_steps': {self.total_steps}, but step {index} was asked for; "
+                f"build the schedule with total_steps covering every step of the run"
             )
         start_step = 0.0
         for i, (end_step, start_lr, end_lr) in enumerate(phases):
@@ -295,129 +271,3 @@ class OneCycle:
                 return self._anneal(start_lr, end_lr, pct)  # type: ignore[return-value]
             start_step = end_step
         raise AssertionError("unreachable")
-
-
-def constant(lr: float, factor: float = 1.0, total_iters: int = 0) -> Constant:
-    """``lr * factor`` for the first `total_iters` steps, then `lr` (torch's ``ConstantLR``).
-
-    With the defaults, simply `lr` at every step.
-
-    >>> s = constant(0.1, factor=0.5, total_iters=2)
-    >>> [s(t) for t in range(4)]
-    [0.05, 0.05, 0.1, 0.1]
-    """
-    return Constant(lr, factor, total_iters)
-
-
-def step(lr: float, step_size: int, gamma: float = 0.1) -> Step:
-    """`lr` multiplied by `gamma` every `step_size` steps (torch's ``StepLR``).
-
-    >>> s = step(1.0, step_size=2, gamma=0.5)
-    >>> [s(t) for t in range(5)]
-    [1.0, 1.0, 0.5, 0.5, 0.25]
-    """
-    if step_size <= 0:
-        raise ValueError(f"step_size must be positive, got {step_size}")
-    return Step(lr, step_size, gamma)
-
-
-def multistep(lr: float, milestones: Sequence[int], gamma: float = 0.1) -> MultiStep:
-    """`lr` multiplied by `gamma` at each milestone step (torch's ``MultiStepLR``).
-
-    >>> s = multistep(1.0, milestones=[1, 3], gamma=0.5)
-    >>> [s(t) for t in range(4)]
-    [1.0, 0.5, 0.5, 0.25]
-    """
-    return MultiStep(lr, tuple(sorted(milestones)), gamma)
-
-
-def exponential(lr: float, gamma: float) -> Exponential:
-    """`lr` multiplied by `gamma` at every step (torch's ``ExponentialLR``).
-
-    >>> s = exponential(1.0, gamma=0.5)
-    >>> [s(t) for t in range(3)]
-    [1.0, 0.5, 0.25]
-    """
-    return Exponential(lr, gamma)
-
-
-def cosine(lr: float, T_max: int, eta_min: float = 0.0) -> Cosine:
-    """Cosine annealing from `lr` to `eta_min` over `T_max` steps (``CosineAnnealingLR``).
-
-    >>> s = cosine(1.0, T_max=2)
-    >>> [round(s(t), 6) for t in range(3)]
-    [1.0, 0.5, 0.0]
-    """
-    if T_max <= 0:
-        raise ValueError(f"T_max must be positive, got {T_max}")
-    return Cosine(lr, T_max, eta_min)
-
-
-def linear_warmup(
-    lr: float, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5
-) -> LinearWarmup:
-    """From ``lr * start_factor`` linearly to ``lr * end_factor`` over `total_iters` steps,
-    then constant (torch's ``LinearLR``).
-
-    >>> s = linear_warmup(1.0, start_factor=0.25, total_iters=3)
-    >>> [round(s(t), 6) for t in range(5)]
-    [0.25, 0.5, 0.75, 1.0, 1.0]
-    """
-    if not 0 < start_factor <= 1 or not 0 <= end_factor <= 1:
-        raise ValueError(
-            f"start_factor must be in (0, 1] and end_factor in [0, 1], got {start_factor}, "
-            f"{end_factor}"
-        )
-    return LinearWarmup(lr, start_factor, end_factor, total_iters)
-
-
-def warmup_cosine(
-    lr: float,
-    warmup_iters: int,
-    T_max: int,
-    start_factor: float = 1.0 / 3,
-    eta_min: float = 0.0,
-) -> WarmupCosine:
-    """A linear warm-up for `warmup_iters` steps, then cosine annealing over `T_max` steps:
-    torch's ``SequentialLR([LinearLR(start_factor, total_iters=warmup_iters),
-    CosineAnnealingLR(T_max, eta_min)], milestones=[warmup_iters])``.
-
-    >>> s = warmup_cosine(1.0, warmup_iters=2, T_max=2, start_factor=0.5)
-    >>> [round(s(t), 6) for t in range(5)]
-    [0.5, 0.75, 1.0, 0.5, 0.0]
-    """
-    if warmup_iters <= 0:
-        raise ValueError(f"warmup_iters must be positive, got {warmup_iters}")
-    return WarmupCosine(
-        linear_warmup(lr, start_factor, 1.0, warmup_iters), cosine(lr, T_max, eta_min), warmup_iters
-    )
-
-
-def onecycle(
-    max_lr: float,
-    total_steps: int,
-    pct_start: float = 0.3,
-    anneal_strategy: Literal["cos", "linear"] = "cos",
-    div_factor: float = 25.0,
-    final_div_factor: float = 1e4,
-    three_phase: bool = False,
-) -> OneCycle:
-    """The 1cycle policy's learning rate (torch's ``OneCycleLR``; momentum is not cycled).
-
-    >>> s = onecycle(1.0, total_steps=10)
-    >>> round(s(0), 8), s(2), round(s(9), 8)
-    (0.04, 1.0, 4e-06)
-    """
-    if total_steps <= 0:
-        raise ValueError(f"total_steps must be positive, got {total_steps}")
-    if anneal_strategy not in ("cos", "linear"):
-        raise ValueError(f"anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
-    return OneCycle(
-        max_lr,
-        total_steps,
-        float(pct_start),
-        anneal_strategy,
-        div_factor,
-        final_div_factor,
-        three_phase,
-    )

@@ -1,0 +1,375 @@
+"""`grad` and `grad_and_value`: `torch.func.grad`'s contract at the cost of ``loss.backward()``.
+
+``torch.func.grad`` wraps every tensor of every operation in a functorch level, and on a small
+model that per-operation dispatch costs about as much as the model itself. Outside any
+``torch.func`` transform there is nothing to compose with, so plain autograd computes the same
+gradients: each differentiated leaf is detached and set to require grad, ``fn`` runs once, and
+``torch.autograd.grad`` takes the gradients, which costs what ``loss.backward()`` costs. Inside a
+transform (``vmap(ms.grad(f))``), or when a differentiated leaf already requires grad (an outer
+autograd computation, as in MAML, whose gradient must flow through this one), they are
+``torch.func.grad`` / ``grad_and_value`` themselves.
+
+Both routes read trees the modstate way: optree pytrees in which None is an empty subtree (a hole
+left by ``ms.tree.partition``), and a tensor at several paths (a tie) is one input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from .torch_facts import functorch_active
+
+Argnums = int | tuple[int, ...]
+
+
+def grad(fn: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """The gradient of `fn` with respect to the arguments at `argnums`: `torch.func.grad`'s
+    contract, at the cost of ``loss.backward()``.
+
+    Outside a ``torch.func`` transform the gradients come from plain autograd (the leaves are
+    detached, set to require grad, and ``torch.autograd.grad`` runs once): no per-operation
+    functorch dispatch, so a functional training step costs what ``backward()`` costs. Inside
+    a transform (``torch.vmap(ms.grad(f))``, ``torch.func.grad(ms.grad(f))``), or when a
+    differentiated leaf already requires grad (meta-learning through an outer loop), this is
+    ``torch.func.grad``, so ensembles and higher-order gradients work as with it.
+
+    Trees are read as everywhere in modstate: None is an empty subtree (its gradient is None),
+    a tensor at several paths (a tied weight) is one input whose whole gradient stands at each
+    of its paths, and a leaf that `fn` does not use gets a zero gradient (as with
+    ``torch.func.grad``). Outside a transform, tensors that `fn` closes over are constants and
+    the value and aux come back detached from this differentiation.
+
+    Args:
+        fn: a function returning a 0-dim tensor (or ``(tensor, aux)`` with `has_aux`).
+        argnums: the position (or a tuple of positions) of the arguments to differentiate.
+        has_aux: `fn` returns ``(output, aux)``; aux is returned beside the gradients.
+
+    Returns:
+        A function taking `fn`'s arguments and returning the gradients (a tree like the
+        argument, or a tuple of them for a tuple `argnums`), or ``(gradients, aux)`` with
+        `has_aux`.
+
+    Raises:
+        RuntimeError: as ``torch.func.grad``: `fn` does not return a 0-dim tensor (or a pair
+            with `has_aux`), `argnums` is invalid, or a differentiated leaf is an integer
+            tensor (the message names its path and the fix).
+        ValueError: a differentiated leaf is not a tensor (the message names its path).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 1)
+        >>> params = ms.extract(model, detach=True)
+        >>> x = torch.ones(4, 3)
+        >>> grads = ms.grad(lambda p: ms.call(model, p, x).sum())(params)
+        >>> grads["weight"]
+        tensor([[4., 4., 4.]])
+    """
+    run = _grad_and_value(fn, argnums, has_aux, "grad")
+
+    @functools.wraps(fn)
+    def gradient(*args: Any, **kwargs: Any) -> Any:
+        grads, value = run(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return gradient
+
+
+def grad_and_value(
+    fn: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """The gradient and the value of `fn`: `torch.func.grad_and_value`'s contract, at the cost
+    of ``loss.backward()`` (see `grad` for when plain autograd runs and when torch.func does).
+
+    Args:
+        fn: a function returning a 0-dim tensor (or ``(tensor, aux)`` with `has_aux`).
+        argnums: the position (or a tuple of positions) of the arguments to differentiate.
+        has_aux: `fn` returns ``(output, aux)``.
+
+    Returns:
+        A function taking `fn`'s arguments and returning ``(gradients, value)``, or
+        ``(gradients, (value, aux))`` with `has_aux`, as ``torch.func.grad_and_value``.
+
+    Raises:
+        RuntimeError: as ``torch.func.grad_and_value`` (see `grad`).
+        ValueError: a differentiated leaf is not a tensor (the message names its path).
+
+    Example:
+        >>> w = {"w": torch.tensor([1.0, 2.0])}
+        >>> ms.grad_and_value(lambda p: (p["w"] ** 2).sum())(w)
+        ({'w': tensor([2., 4.])}, tensor(5.))
+    """
+    return _grad_and_value(fn, argnums, has_aux, "grad_and_value")
+
+
+def _grad_and_value(
+    fn: Callable[..., Any], argnums: Argnums, has_aux: bool, name: str
+) -> Callable[..., tuple[Any, Any]]:
+    @functools.wraps(fn)
+    def gradient_and_value(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        positions = _positions(name, argnums, len(args))
+        trees = [_Differentiated(name, position, args[position]) for position in positions]
+        if functorch_active() or any(tree.requires_grad for tree in trees):
+            grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
+        else:
+            grads, value = _with_autograd(name, fn, positions, has_aux, trees, args, kwargs)
+        return (tuple(grads) if isinstance(argnums, tuple) else grads[0]), value
+
+    return gradient_and_value
+
+
+def _positions(name: str, argnums: object, count: int) -> tuple[int, ...]:
+    """`argnums` as non-negative positions, checked as torch.func checks them."""
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        wanted: tuple[object, ...] = (argnums,)
+    elif isinstance(argnums, tuple):
+        if not argnums:
+            raise RuntimeError(f"{name}: 'argnums': empty; pass a position such as 0")
+        wanted = argnums
+    else:
+        raise RuntimeError(
+            f"{name}: 'argnums': got {type(argnums).__name__}; pass an int or a tuple of ints"
+        )
+    positions = []
+    for argnum in wanted:
+        if not isinstance(argnum, int) or isinstance(argnum, bool):
+            raise RuntimeError(f"{name}: 'argnums': got {argnum!r}; pass an int or a tuple of ints")
+        if not -count <= argnum < count:
+            raise RuntimeError(
+                f"{name}: 'argnums': got argnum={argnum}, but only {count} positional inputs; "
+                f"pass a position below {count}"
+            )
+        positions.append(argnum % count)
+    if len(set(positions)) != len(positions):
+        raise RuntimeError(f"{name}: 'argnums': {argnums} repeats a position; name each once")
+    return tuple(positions)
+
+
+class _Differentiated:
+    """One differentiated argument: its tensor leaves (None is an empty subtree), checked."""
+
+    __slots__ = ("leaves", "requires_grad", "tree", "treedef")
+
+    def __init__(self, name: str, position: int, tree: Any) -> None:
+        self.tree = tree
+        self.treedef: Any
+        leaves = _plain_leaves(tree)
+        if leaves is not None:  # nested dicts, lists and tuples: walked here, fast
+            self.leaves, self.treedef = leaves, None
+        else:
+            self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        for index, leaf in enumerate(self.leaves):
+            if type(leaf) is Tensor and leaf.dtype in _DIFFERENTIABLE:
+                continue  # the common case, decided without the slower checks below
+            if not isinstance(leaf, Tensor):
+                raise ValueError(
+                    f"{name}: '{self.path(index)}': a {type(leaf).__name__} leaf of argument "
+                    f"{position}, not a tensor (torch.func differentiates tensors); pass it as "
+                    f"another argument, or set it to None (an empty subtree)"
+                )
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise RuntimeError(
+                    f"{name}: '{self.path(index)}': a {leaf.dtype} leaf of argument "
+                    f"{position}; only floating-point and complex tensors can be differentiated "
+                    f"(as with torch.func.grad); differentiate the trainable part only: "
+                    f"params, state = ms.split(model, detach=True), with state as another "
+                    f"argument (out, state = ms.apply(model, params, state, x))"
+                )
+        self.requires_grad = any(leaf.requires_grad for leaf in self.leaves)
+
+    def path(self, index: int) -> str:
+        """The dotted path of leaf `index` (for errors)."""
+        if self.treedef is None:
+            paths: list[str] = []
+            _plain_paths(self.tree, "", paths)
+            return paths[index]
+        path = optree.tree_paths(self.tree, none_is_leaf=False)[index]
+        return ".".join(str(key) for key in path) or "<root>"
+
+    def rebuild(self, leaves: Sequence[Any]) -> Any:
+        if self.treedef is None:
+            return _plain_rebuild(self.tree, iter(leaves))
+        return self.treedef.unflatten(leaves)
+
+
+def _plain_leaves(tree: Any) -> list[Any] | None:
+    """The tensors of a tree made of plain dicts, lists and tuples (None is an empty subtree),
+    in the order `_plain_rebuild` takes them back; None for any other tree (namedtuples,
+    OrderedDicts, registered nodes, non-tensor leaves), which optree walks instead."""
+    found: list[Any] = []
+
+    def walk(node: Any) -> bool:
+        kind = type(node)
+        if kind is dict:
+            return all(walk(item) for item in node.values())
+        if kind is list or kind is tuple:
+            return all(walk(item) for item in node)
+        if node is None:
+            return True
+        if type(node) is not Tensor:
+            return False  # anything else: optree's walk (and its errors) decide
+        found.append(node)
+        return True
+
+    return found if walk(tree) else None
+
+
+def _plain_rebuild(node: Any, leaves: Any) -> Any:
+    kind = type(node)
+    if kind is dict:
+        return {key: _plain_rebuild(item, leaves) for key, item in node.items()}
+    if kind is list or kind is tuple:
+        return kind(_plain_rebuild(item, leaves) for item in node)
+    if node is None:
+        return None
+    return next(leaves)
+
+
+def _plain_paths(node: Any, prefix: str, paths: list[str]) -> None:
+    """The dotted paths of `_plain_leaves`'s leaves, in its order."""
+    items = (
+        node.items()
+        if type(node) is dict
+        else enumerate(node)
+        if type(node) in (list, tuple)
+        else None
+    )
+    if items is None:
+        if node is not None:
+            paths.append(prefix[:-1] or "<root>")
+        return
+    for key, item in items:
+        _plain_paths(item, f"{prefix}{key}.", paths)
+
+
+_DIFFERENTIABLE = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
+
+
+def _grad_enabled() -> Any:
+    """Grad mode on for the call (``grad`` ignores an outer ``torch.no_grad()``, as
+    ``torch.func.grad`` does); no context switch when it is on already."""
+    return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+
+
+def _split_output(name: str, output: Any, has_aux: bool) -> tuple[Any, Any]:
+    if has_aux:
+        if not (isinstance(output, tuple) and len(output) == 2):
+            raise RuntimeError(
+                f"{name}: '<output>': with has_aux=True, fn must return a tuple "
+                f"(output, aux); return one, or pass has_aux=False"
+            )
+        output, aux = output
+    else:
+        aux = None
+    if not isinstance(output, Tensor):
+        raise RuntimeError(
+            f"{name}: '<output>': fn returned {type(output).__name__}, not a Tensor; return a "
+            f"0-dim tensor (the loss)"
+        )
+    if output.dim() != 0:
+        raise RuntimeError(
+            f"{name}: '<output>': fn returned a tensor with {output.dim()} dims, not a scalar; "
+            f"reduce it (.sum(), .mean()), or use torch.func.vjp / jacrev for non-scalar outputs"
+        )
+    return output, aux
+
+
+def _call_on_leaves(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    positions: tuple[int, ...],
+    trees: list[_Differentiated],
+    leaf_lists: Sequence[list[Tensor]],
+) -> Any:
+    """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
+    call_args = list(args)
+    for position, tree, leaves in zip(positions, trees, leaf_lists):
+        call_args[position] = tree.rebuild(leaves)
+    return fn(*call_args, **kwargs)
+
+
+def _detached(value: Any) -> Any:
+    """`value` with every tensor that requires grad detached; the very same object when none
+    does (the common case: new statistics, metrics), containers copied only where needed."""
+    if isinstance(value, Tensor):
+        return value.detach() if value.requires_grad else value
+    if type(value) is dict:
+        changed = {key: _detached(item) for key, item in value.items()}
+        return value if all(changed[key] is item for key, item in value.items()) else changed
+    if type(value) in (list, tuple):
+        items = [_detached(item) for item in value]
+        unchanged = all(new is old for new, old in zip(items, value))
+        return value if unchanged else type(value)(items)
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return value
+    return optree.tree_map(_detached, value, none_is_leaf=True)  # other pytree nodes
+
+
+def _with_autograd(
+    name: str,
+    fn: Callable[..., Any],
+    positions: tuple[int, ...],
+    has_aux: bool,
+    trees: list[_Differentiated],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[Any], Any]:
+    """Plain autograd: one leaf that requires grad per distinct tensor (a tie stays one)."""
+    inputs: list[Tensor] = []
+    slot_of: dict[int, int] = {}
+    slots: list[list[int]] = []
+    for tree in trees:
+        tree_slots = []
+        for leaf in tree.leaves:
+            slot = slot_of.get(id(leaf))
+            if slot is None:
+                slot = slot_of[id(leaf)] = len(inputs)
+                inputs.append(leaf.detach().requires_grad_())
+            tree_slots.append(slot)
+        slots.append(tree_slots)
+    leaf_lists = [[inputs[slot] for slot in tree_slots] for tree_slots in slots]
+    with _grad_enabled():
+        result = _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
+        output, aux = _split_output(name, result, has_aux)
+        found: Sequence[Tensor | None] = (
+            torch.autograd.grad(output, inputs, allow_unused=True)
+            if output.requires_grad
+            else [None] * len(inputs)  # fn does not depend on the inputs: zero gradients
+        )
+    gradients = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(inputs, found)]
+    grads = [
+        tree.rebuild([gradients[slot] for slot in tree_slots])
+        for tree, tree_slots in zip(trees, slots)
+    ]
+    value = output.detach()
+    return grads, ((value, _detached(aux)) if has_aux else value)
+
+
+def _with_torch_func(
+    fn: Callable[..., Any],
+    positions: tuple[int, ...],
+    has_aux: bool,
+    trees: list[_Differentiated],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[Any], Any]:
+    """``torch.func.grad_and_value`` over the differentiated leaves as flat lists, so that None
+    holes stay holes (torch's pytrees would hand None to the transform)."""
+
+    def on_leaves(*leaf_lists: list[Tensor]) -> Any:
+        return _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
+
+    leaf_lists = [list(tree.leaves) for tree in trees]
+    flat_grads, value = torch.func.grad_and_value(
+        on_leaves, argnums=tuple(range(len(trees))), has_aux=has_aux
+    )(*leaf_lists)
+    grads = [tree.rebuild(list(g)) for tree, g in zip(trees, flat_grads)]
+    return grads, value

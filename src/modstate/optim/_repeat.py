@@ -1,0 +1,131 @@
+"""`Repeat`: what a donated step found out, kept for the next step of the same loop.
+
+In an ordinary training loop, ``params, state = opt.step(params, grads, state, donate=True)``
+hands every step the very tensors the last step wrote in place. Most of a step's bookkeeping
+(walking the trees, deciding the kernel, looking for ties and complex leaves) then finds what it
+found last time, and on a small model it costs as much as the kernel itself. A donated eager step
+that wrote everything in place remembers its analysis here; the next call reuses it once it has
+checked, cheaply, that the trees are those it wrote (the same structure, the same tensor objects
+by ``id``, with the same shapes, dtypes, layouts and devices), that the gradients fit, and that
+nothing requires grad. Anything else takes the full path, which checks everything and names what
+does not fit. Only ids are kept (no reference to a tensor); a reused id is harmless, since every
+fact the analysis depends on is checked again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from modstate._core.torch_facts import functorch_active
+from modstate.optim._kernels import FOREACH
+from modstate.optim._lists import LeafOps
+from modstate.optim._run import Run, one
+from modstate.optim._tree import StepLeaves
+
+
+class Repeat:
+    """The analysis of one donated step that wrote every param and buffer in place."""
+
+    __slots__ = (
+        "buffer_ids",
+        "grad_signature",
+        "hyper",
+        "kernel",
+        "keys",
+        "param_ids",
+        "scalar_ids",
+        "signature",
+        "step_id",
+        "treedef",
+    )
+
+    def __init__(
+        self,
+        leaves: StepLeaves,
+        state: Mapping[str, Any],
+        scalar_names: tuple[str, ...],
+        kernel: str,
+        hyper: dict[str, Any],
+    ) -> None:
+        self.treedef = leaves.treedef
+        self.param_ids = [id(leaf) for leaf in leaves.params]
+        self.buffer_ids = {name: [id(leaf) for leaf in b] for name, b in leaves.buffers.items()}
+        self.step_id = id(state["step"])
+        self.scalar_ids = [id(state[name]) for name in scalar_names]
+        self.keys = set(state)
+        self.signature = _signature(leaves.params)
+        self.grad_signature = [(leaf.shape, leaf.dtype) for leaf in leaves.params]
+        self.kernel, self.hyper = kernel, hyper
+
+
+def in_place(leaves: StepLeaves, run: Run) -> bool:
+    """Whether the step wrote every param and buffer in place (its outputs are its inputs)."""
+    return all(a is b for a, b in zip(run.p, leaves.params)) and all(
+        all(a is b for a, b in zip(run.buffers[name], before))
+        for name, before in leaves.buffers.items()
+    )
+
+
+def _signature(tensors: list[Tensor]) -> list[tuple[Any, ...]]:
+    return [(t.shape, t.dtype, t.stride(), t.is_cpu) for t in tensors]
+
+
+def again(
+    repeat: Repeat, params: Any, grads: Any, state: Any, scalar_names: tuple[str, ...]
+) -> Run | None:
+    """The next step's `Run`, built from `repeat`, when the trees are those the last step wrote
+    and nothing else changed; None otherwise (take the full path)."""
+    if not isinstance(state, Mapping) or state.keys() != repeat.keys:
+        return None
+    step = state["step"]
+    if id(step) != repeat.step_id or [id(state[n]) for n in scalar_names] != repeat.scalar_ids:
+        return None
+    treedef = repeat.treedef
+    try:
+        # Up to the remembered structure: a tree shaped otherwise fails here, or puts a
+        # subtree or None where a tensor stood, whose id differs from the tensor's.
+        params_leaves: list[Any] = treedef.flatten_up_to(params)
+        if [id(leaf) for leaf in params_leaves] != repeat.param_ids:
+            return None
+        grad_leaves: list[Any] = treedef.flatten_up_to(grads)
+        buffers: dict[str, list[Any]] = {
+            name: treedef.flatten_up_to(state[name]) for name in repeat.buffer_ids
+        }
+    except (ValueError, TypeError):
+        return None
+    for name, ids in repeat.buffer_ids.items():
+        if [id(leaf) for leaf in buffers[name]] != ids:
+            return None
+    try:
+        if [(g.shape, g.dtype) for g in grad_leaves] != repeat.grad_signature:
+            return None
+    except AttributeError:  # a None gradient (a frozen leaf), or not a tensor
+        return None
+    if _signature(params_leaves) != repeat.signature or functorch_active():
+        return None
+    if torch.is_grad_enabled():
+        tensors = [*params_leaves, *grad_leaves, step]
+        for leaves in buffers.values():
+            tensors.extend(leaves)
+        if any(t.requires_grad for t in tensors):
+            return None
+    if torch.compiler.is_compiling():
+        return None
+    count = step.item()
+    new_step = step.add_(one())
+    return Run(
+        repeat.kernel,
+        LeafOps(foreach=True, multi_tensor=repeat.kernel == FOREACH),
+        params_leaves,
+        grad_leaves,
+        buffers,
+        count + 1,
+        repeat.hyper,
+        {name: state[name] for name in scalar_names},
+        True,
+        new_step,
+    )
