@@ -8,14 +8,14 @@ slots. Some modules also keep tensors computed from their slots in ``__dict__`` 
 their own class and hooks on the first forward (lazy modules); `ModuleGuard` snapshots and
 restores those, so a temporary swap leaves nothing behind.
 
-An :class:`Anatomy` is built once per module and reused while the module's structure and tensors
-stay the same; :func:`anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
+An `Anatomy` is built once per module and reused while the module's structure and tensors
+stay the same; `anatomy_of` checks that in a few C-level passes and rebuilds when it changed.
 
-Building an anatomy makes each slot's dict a :class:`~modstate._core.tables.SlotTable` (the same
+Building an anatomy makes each slot's dict a `SlotTable` (the same
 entries, in a dict subclass that a thread can overlay privately; see ``tables.py``), once per
 dict: every table this file hands out is one, so no reference to a replaced dict goes stale. The
 fingerprint and the tie groups read the dicts' own entries (what every thread sees); ``holding``
-and :meth:`Slot.get` read what the calling thread sees (a call's tree, inside that call).
+and `Slot.get` read what the calling thread sees (a call's tree, inside that call).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ _HOOK_DICTS = (
 
 class Slot:
     """One place a tensor lives: ``table[name]``, ``table`` being ``module._parameters`` or
-    ``module._buffers`` (made a :class:`SlotTable` when it is a plain dict)."""
+    ``module._buffers`` (made a `SlotTable` when it is a plain dict)."""
 
     __slots__ = ("is_buffer", "name", "path", "persistent", "table")
 
@@ -79,7 +79,7 @@ _install_lock = threading.Lock()
 
 
 def slot_table(module: nn.Module, attribute: str) -> dict[str, Any]:
-    """``module._parameters`` or ``module._buffers``, made a :class:`SlotTable` (same entries) when
+    """``module._parameters`` or ``module._buffers``, made a `SlotTable` (same entries) when
     it is a plain ``dict`` / ``OrderedDict``; a dict of another type is left as it is (calls on
     its module then swap for every thread, see ``Anatomy.layered``)."""
     table = module.__dict__[attribute]
@@ -378,7 +378,7 @@ class ModuleGuard:
     ``spectral_norm`` recompute ``module.weight``, an RNN its ``_flat_weights``), and everything a
     lazy module changes on its first call or load (its class, its hooks, the attributes holding
     their handles, its uninitialized parameters).
-    :meth:`restore` puts all of it back; other attributes (counters and the like) are left alone."""
+    `restore` puts all of it back; other attributes (counters and the like) are left alone."""
 
     __slots__ = ("_lazy_tensors", "_saved")
 

@@ -41,7 +41,7 @@ def apply(
     Frozen parameters in ``state`` are not copied (``forward`` must not write into parameters).
     Inside ``torch.compile`` every buffer comes back as a new tensor (a compiled graph cannot
     tell which of its copies ``forward`` wrote to); the values are the same. Threads: as
-    :func:`modstate.call`, several threads may apply one module at once.
+    [`modstate.call`][modstate.call], several threads may apply one module at once.
 
     >>> import torch, modstate as ms
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # train mode

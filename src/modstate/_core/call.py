@@ -100,7 +100,7 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     shapes and dtypes may differ from the module's (``ms.inject(module, tree, strict=False)``).
     Unknown paths are still an error. Every argument after ``tree`` goes to ``forward``, so no
     option of modstate can collide with ``forward``'s keyword arguments. Threads: as
-    :func:`call`; the paths the tree leaves out show what the module holds for every thread
+    [`call`][modstate.call]; the paths the tree leaves out show what the module holds for every thread
     (another thread's open ``inject``, say).
 
     >>> import torch, modstate as ms

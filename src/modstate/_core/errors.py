@@ -2,8 +2,8 @@
 ``"<function>: '<path>': <what>; <fix>"``.
 
 The engine (``prepare``) does not know which public function it serves, so it raises a
-:class:`PathError` without a function name and with the fix that fits the lenient options of
-``inject``; each public function re-raises it with :meth:`PathError.within`, naming itself and a fix
+`PathError` without a function name and with the fix that fits the lenient options of
+``inject``; each public function re-raises it with `PathError.within`, naming itself and a fix
 that works where the user is (``call`` has no ``strict`` option, ``load`` never takes other shapes).
 """
 
@@ -64,15 +64,15 @@ def _rebuilt(cls: type[PathError], state: dict[str, Any], args: tuple) -> PathEr
 
 
 class PathValueError(PathError, ValueError):
-    """A :class:`PathError` that is a ``ValueError``: the value at ``path`` is wrong."""
+    """A `PathError` that is a ``ValueError``: the value at ``path`` is wrong."""
 
 
 class PathTypeError(PathError, TypeError):
-    """A :class:`PathError` that is a ``TypeError``: the value at ``path`` has the wrong type."""
+    """A `PathError` that is a ``TypeError``: the value at ``path`` has the wrong type."""
 
 
 class PathKeyError(PathError, KeyError):
-    """A :class:`PathError` that is a ``KeyError``: ``path`` is missing or unknown."""
+    """A `PathError` that is a ``KeyError``: ``path`` is missing or unknown."""
 
 
 class MissingPaths(PathKeyError):

@@ -1,15 +1,15 @@
 """Gathering ``DTensor`` s into full tensors, differentiably, and gathering them again for backward.
 
-A :class:`Gathered` is one gather of several ``DTensor`` s (one FSDP unit's parameters, say): it
+A `Gathered` is one gather of several ``DTensor`` s (one FSDP unit's parameters, say): it
 makes their full tensors, optionally cast to a compute dtype first (FSDP2's ``param_dtype``: the
 shards are cast before they travel, as FSDP does), and can free those full tensors' memory and
-fill it again later (:meth:`Gathered.free`, :meth:`Gathered.refill`), the way FSDP2 frees a unit's
+fill it again later (`Gathered.free`, `Gathered.refill`), the way FSDP2 frees a unit's
 unsharded parameters after its forward and all-gathers them again before its backward. Autograd
 keeps referring to the same tensors throughout; only their storage comes and goes.
 
-:func:`gather` is the differentiable form (also under ``torch.func.grad`` and ``torch.vmap``):
+`gather` is the differentiable form (also under ``torch.func.grad`` and ``torch.vmap``):
 backward hands each rank its piece of the gradient, without communication, as a ``DTensor`` laid
-out like the leaf (:func:`piece_of`), cast to FSDP2's ``reduce_dtype`` on the way as FSDP's
+out like the leaf (`piece_of`), cast to FSDP2's ``reduce_dtype`` on the way as FSDP's
 gradient reduction would be.
 
 The leaves sharded on dim 0 over one 1-D mesh (FSDP2's layout) travel together in one all-gather
@@ -81,7 +81,7 @@ class Gathered:
 
     def free(self) -> None:
         """Release the full tensors' memory; whoever holds them (autograd's saved tensors) keeps
-        the tensor objects, which :meth:`refill` fills again."""
+        the tensor objects, which `refill` fills again."""
         for full in self.fulls:
             full.untyped_storage().resize_(0)
 
@@ -89,7 +89,7 @@ class Gathered:
         return any(full.untyped_storage().nbytes() == 0 and full.numel() > 0 for full in self.fulls)
 
     def refill(self) -> None:
-        """All-gather again into the full tensors freed by :meth:`free`; nothing if they are
+        """All-gather again into the full tensors freed by `free`; nothing if they are
         not freed. Refuses shards that changed in place since the gather (the backward would
         compute with other values than the forward did)."""
         if not self.is_freed():
@@ -257,7 +257,7 @@ def _row_numel(shape: Any) -> int:
 
 
 class _Gather(torch.autograd.Function):
-    """The full tensors of a :class:`Gathered` 's sources; backward hands back each rank's piece
+    """The full tensors of a `Gathered` 's sources; backward hands back each rank's piece
     of every gradient (no communication) and, for a unit freed after its forward, frees the full
     tensors again once their gradients are done."""
 
@@ -298,8 +298,8 @@ def _grad_levels() -> int:
 
 def gather(gathered: Gathered, values: list[Any]) -> list[Tensor]:
     """The full tensors of ``values`` (distinct ``DTensor`` s, possibly wrapped by ``torch.func``
-    transforms), differentiably; ``gathered`` keeps them for :meth:`Gathered.free` /
-    :meth:`Gathered.refill`."""
+    transforms), differentiably; ``gathered`` keeps them for `Gathered.free` /
+    `Gathered.refill`."""
     return list(_Gather.apply(gathered, *values))
 
 

@@ -28,7 +28,7 @@ class inject:
     (BatchNorm statistics) land in the tree's tensors. Tensors the module keeps as plain attributes
     and lazy modules' class and hooks are restored too; other plain attributes that ``forward``
     assigns (counters, a Llama dynamic RoPE's ``max_seq_len_cached``) are not, as with
-    ``torch.func.functional_call`` (see :func:`modstate.call`). For every thread: while the block
+    ``torch.func.functional_call`` (see [`modstate.call`][modstate.call]). For every thread: while the block
     runs, a plain forward in any thread computes with the tree; a concurrent ``ms.call`` with
     its own tree is not affected (see "Threads" in ``docs/semantics.md``).
 
@@ -132,9 +132,9 @@ def swap(
 
     Args:
         module: The module to change.
-        tree: A tree of tensors, or a tuple of trees (as for :func:`inject`).
-        strict: As for :func:`inject`.
-        use_state_dict: As for :func:`inject`.
+        tree: A tree of tensors, or a tuple of trees (as for [`inject`][modstate.inject]).
+        strict: As for [`inject`][modstate.inject].
+        use_state_dict: As for [`inject`][modstate.inject].
 
     Returns:
         A new tree of the objects the module held at the tree's paths.
@@ -198,19 +198,19 @@ def load(
     is wrapped in a new Parameter sharing its storage), a buffer takes the tree's tensor itself,
     and a tie stays a tie (one Parameter at all its paths). That is how a model built on the meta
     device is materialized from a checkpoint, at no memory cost with
-    ``checkpoint.load(path, mmap=True)``. Like :func:`swap`, it changes the module for every
+    ``checkpoint.load(path, mmap=True)``. Like [`swap`][modstate.swap], it changes the module for every
     thread that uses it; an optimizer made before holds the old parameters.
 
     Args:
         module: The module to load into.
-        tree: A tree of tensors, or a tuple of trees (as for :func:`inject`). Flat dicts with
+        tree: A tree of tensors, or a tuple of trees (as for [`inject`][modstate.inject]). Flat dicts with
             dotted keys (``state_dict()``) work too.
         strict: ``True``: the tree gives every path, with the module's dtypes. ``False``: a
             partial tree (the module keeps its own tensors where the tree has none), and other
             dtypes (cast on copy; with ``assign`` the module takes the tree's dtype). Shapes
             must always match. Unknown paths are always an error.
         use_state_dict: Read the tree through the module's ``load_state_dict`` hooks (as
-            :func:`inject`); a module that overrides ``_load_from_state_dict`` loads itself.
+            [`inject`][modstate.inject]); a module that overrides ``_load_from_state_dict`` loads itself.
         assign: Make the tree's tensors the module's instead of copying into them.
 
     Returns:

@@ -7,10 +7,10 @@ forward); a forward hook puts the shards back. Tensor parallel (``parallelize_mo
 into the slots: FSDP overwrites it, and its lazy initialisation would adopt it.
 
 So a stateless call on such a module computes what the *unsharded* module computes, at FSDP's
-memory: during the call, :meth:`Sharding.bypass` puts stand-ins (:mod:`~modstate._core.units`) at
+memory: during the call, `Sharding.bypass` puts stand-ins (`units`) at
 the keys of FSDP2's forward hooks, which gather the tree's leaves of one FSDP unit at a time, and
 takes the tensor-parallel hooks off; ``DTensor`` leaves outside any FSDP unit (tensor parallel)
-are gathered whole before the call (:func:`~modstate._core.gathers.gathered`). Gradients come
+are gathered whole before the call (`gathered`). Gradients come
 back as ``DTensor`` s laid out like the leaves, also under ``torch.func.grad``. FSDP's own state
 (lazy init, reshard, all-gather buffers) is never touched. ``swap`` is refused on FSDP-managed
 parameters (FSDP would put its own back), and ``load`` copies a full tensor into a sharded one by

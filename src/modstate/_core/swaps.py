@@ -3,18 +3,18 @@
 A `Swap` is what `prepare` produces after every check passed: which
 slot (``table[name]``) gets which tensor, what it held before, and where in the caller's tree each
 value sits (so that a buffer that ``forward`` reassigns is written back there). Every write into
-the slots goes through :meth:`Swap.put`, in one of two ways:
+the slots goes through `Swap.put`, in one of two ways:
 
 - *private* (a stateless call): the tensors go into the calling thread's layer of each
-  :class:`~modstate._core.tables.SlotTable`; no other thread sees them, and undo takes the layer
+  `SlotTable`; no other thread sees them, and undo takes the layer
   away (restoring an enclosing call's layer when calls nest in one thread);
 - *shared* (``inject``, ``swap``, and calls on modules that cannot be layered, sharded ones
   included): the tensors go into the dicts themselves, for every thread; undo puts back what each
   slot held. Inside a stateless call in the same thread, the call's layer is updated too, so the
   body sees what it injected.
 
-:class:`UnshardedSwap` is the form for modules sharded with FSDP2 / tensor parallel,
-:class:`HookedSwap` the one that replays ``load_state_dict``.
+`UnshardedSwap` is the form for modules sharded with FSDP2 / tensor parallel,
+`HookedSwap` the one that replays ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class Swap:
 
     ``targets(i)`` is ``(node, key)``, where the tree holds ``values[i]``: a buffer that the body
     reassigns is written back there, as ``torch.func.functional_call`` does. ``rebuild(olds)``
-    nests values listed like ``values`` at the tree's paths (what :func:`swap` returns).
-    ``guard()`` snapshots what the module keeps outside its slots (a :class:`ModuleGuard`), taken
+    nests values listed like ``values`` at the tree's paths (what [`swap`][modstate.swap] returns).
+    ``guard()`` snapshots what the module keeps outside its slots (a `ModuleGuard`), taken
     when the swap is applied and restored when it is undone. ``private``: only the calling thread
     sees the swap (see the module docstring); ``lock``: held from apply to undo (calls on modules
     that rewrite tensors kept in ``__dict__`` run one at a time). ``layout``: for a private swap
@@ -123,7 +123,7 @@ class Swap:
         self._patched: list[tuple[dict[tuple[int, str], Any], tuple[int, str], Any]] = _NONE
 
     def apply(self) -> None:
-        """Begin the swap and put every value in (see :meth:`begin` to put them in parts)."""
+        """Begin the swap and put every value in (see `begin` to put them in parts)."""
         self.begin()
         try:
             self.put(self.tables, self.names, self.values)
@@ -132,9 +132,9 @@ class Swap:
             raise
 
     def begin(self) -> None:
-        """Take the lock and the guard's snapshot and make ready for :meth:`put`, writing nothing:
+        """Take the lock and the guard's snapshot and make ready for `put`, writing nothing:
         a subclass that fills the slots in parts (one FSDP unit at a time, say) calls this, then
-        ``put`` for each part; :meth:`undo` takes back whatever was put."""
+        ``put`` for each part; `undo` takes back whatever was put."""
         if self.lock is not None:
             self.lock.acquire()
         try:
@@ -152,7 +152,7 @@ class Swap:
         self._applied = True
 
     def put(self, tables: list[dict[str, Any]], names: list[str], values: list[Any]) -> None:
-        """Put ``values[i]`` into ``tables[i][names[i]]`` for this swap (undone by :meth:`undo`):
+        """Put ``values[i]`` into ``tables[i][names[i]]`` for this swap (undone by `undo`):
         for the calling thread only when the swap is private, else for every thread."""
         if not self._applied:
             raise RuntimeError("Swap.put: begin (or apply) the swap first")
@@ -280,7 +280,7 @@ class UnshardedSwap(Swap):
     """A swap on a sharded module that computes unsharded, one FSDP unit at a time.
 
     The tree's ``DTensor`` leaves that an FSDP unit owns stay in their slots as they are; while
-    the swap is applied, stand-ins for FSDP2's forward hooks (:class:`~.units.Units`) gather
+    the swap is applied, stand-ins for FSDP2's forward hooks (`Units`) gather
     them just before their unit runs and put them back just after. Other ``DTensor`` leaves
     (tensor parallel) go in gathered whole, and the tensor-parallel hooks are off.
     """

@@ -1,7 +1,7 @@
 """Slot tables that a thread can overlay privately: how a stateless call stays invisible to others.
 
 A module reads its tensors from two dicts, ``_parameters`` and ``_buffers`` (``Module.__getattr__``
-does ``_parameters[name]``). A :class:`SlotTable` is such a dict with one addition: a *layer* per
+does ``_parameters[name]``). A `SlotTable` is such a dict with one addition: a *layer* per
 thread, a small dict of overrides that only that thread sees. A stateless call puts the tree's
 tensors into its own thread's layer and takes the layer away afterwards; the dict's own entries,
 what every other thread reads, are never touched. So a call is invisible to other threads (other

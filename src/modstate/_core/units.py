@@ -3,9 +3,9 @@
 Every ``fully_shard`` -ed module is a *unit*: it owns the parameters of its subtree that no nested
 ``fully_shard`` -ed module owns (the root's own parameters are the root's unit). FSDP2 all-gathers
 a unit's parameters in a forward pre-hook, frees them in a forward hook, and all-gathers them again
-before the unit's backward. During a call with a tree, :class:`Units` takes the place of those two
+before the unit's backward. During a call with a tree, `Units` takes the place of those two
 hooks (at their very keys, so every other hook keeps its order) and does the same with the tree's
-``DTensor`` s: just before a unit runs, its leaves are gathered (:class:`~.gathers.Gathered`, one
+``DTensor`` s: just before a unit runs, its leaves are gathered (`Gathered`, one
 all-gather) and put into its slots; just after, the slots get the ``DTensor`` s back, and the full
 tensors go:
 

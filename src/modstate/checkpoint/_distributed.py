@@ -103,7 +103,7 @@ def load_distributed(
     Before reading any data, every tensor path of ``like`` must be in the checkpoint with the same
     shape; with ``strict`` (default) also the same dtype, and the checkpoint may hold no tensor
     that ``like`` lacks. A checkpoint whose save was interrupted is refused (see
-    :func:`save_distributed`). DCP's ``.metadata`` and non-tensor values are pickles: load
+    [`save_distributed`][modstate.checkpoint.save_distributed]). DCP's ``.metadata`` and non-tensor values are pickles: load
     distributed checkpoints you trust.
 
     ``as_saved`` lists dotted paths (``"optimizer"``) under which ``like`` is not needed: every
@@ -123,7 +123,7 @@ def load_distributed(
         like: The template tree: shapes, dtypes, devices and DTensor layouts of the result.
         strict: Also require the same dtypes, and no saved tensor that ``like`` lacks.
             ``False`` loads a subset and casts dtypes.
-        process_group: The group whose ranks read (as for :func:`save_distributed`).
+        process_group: The group whose ranks read (as for [`save_distributed`][modstate.checkpoint.save_distributed]).
         as_saved: Dotted paths under which the checkpoint's leaves come back as saved.
 
     Returns:

@@ -13,7 +13,7 @@ Every stacked tensor also goes into the vmapped call as the member's own tensor 
 that refuses an input it has no batched form for and calls the layer's own forward, computes
 with the right member's values.
 
-Threads: each thread that calls the ensemble gets a runner of its own (:class:`ThreadRunners`),
+Threads: each thread that calls the ensemble gets a runner of its own (`ThreadRunners`),
 built on its first call, sharing the template's tensors: the stateless call puts the member
 views into that thread's copy only, so concurrent calls never see each other's state, and the
 ensemble's own modules are never changed by a forward (kernels read the stacked tensors; only
@@ -136,7 +136,7 @@ class VmapRunner:
 
 
 class ThreadRunners:
-    """One :class:`VmapRunner` per calling thread, made by ``build`` on the thread's first call;
+    """One `VmapRunner` per calling thread, made by ``build`` on the thread's first call;
     ``train(mode)`` reaches every runner made so far."""
 
     def __init__(self, build: Callable[[], VmapRunner]) -> None:
