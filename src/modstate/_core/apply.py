@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .anatomy import Anatomy, anatomy_of
 from .call import call
-from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
+from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch, add_note
 from .flat import is_subtree, iter_leaves
 from .torch_facts import version
 from .types import Tree
@@ -42,6 +42,23 @@ def apply(
     Inside ``torch.compile`` every buffer comes back as a new tensor (a compiled graph cannot
     tell which of its copies ``forward`` wrote to); the values are the same. Threads: as
     [`modstate.call`][modstate.call], several threads may apply one module at once.
+
+    Args:
+        module: the module to compute with; it is left exactly as it was.
+        params: the parameters, as ``ms.split(module, detach=True)[0]`` gives them.
+        state: the buffers (and frozen parameters), as ``ms.split(module, detach=True)[1]``.
+        *args: positional arguments of ``forward``.
+        **kwargs: keyword arguments of ``forward``.
+
+    Returns:
+        ``(out, new_state)``: what ``forward`` returns, and a tree shaped like ``state`` whose
+        buffers are the values after the call (new tensors where ``forward`` may have changed
+        them, the very objects of ``state`` elsewhere).
+
+    Raises:
+        TypeError: ``state`` is not a tree, or a leaf's dtype differs from the module's.
+        ValueError: a buffer in ``params``, or a leaf whose shape differs from the module's.
+        KeyError: a path of the module that neither tree gives, or one the module lacks.
 
     >>> import torch, modstate as ms
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # train mode
@@ -105,7 +122,7 @@ def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
         raise error.within("apply", _APPLY_FIXES.get(type(error))) from None
     except RuntimeError as error:
         if "running_mean or running_var" in str(error) and "not batched" in str(error):
-            error.add_note(_UNBATCHED_STATE_FIX)
+            add_note(error, _UNBATCHED_STATE_FIX)
         raise
 
 

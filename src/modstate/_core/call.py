@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
+from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch, add_note
 from .flat import flatten, unflatten
 from .prepare import prepare
 from .torch_facts import write_back
@@ -67,6 +67,21 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     forward) or keep ``torch.compile``d code run one at a time. See "Threads" in
     ``docs/semantics.md``.
 
+    Args:
+        module: the module to call; it is left holding its own tensors.
+        tree: a tree (or a tuple of trees) that gives every path of ``module`` exactly once.
+        *args: positional arguments of ``forward``.
+        **kwargs: keyword arguments of ``forward``.
+
+    Returns:
+        What ``module(*args, **kwargs)`` returns.
+
+    Raises:
+        KeyError: a path of the module that the tree does not give, or a path the module lacks
+            (the message names it and the fix).
+        ValueError: a leaf whose shape differs from the module's tensor at that path.
+        TypeError: a leaf whose dtype differs from the module's tensor at that path.
+
     >>> import torch, modstate as ms
     >>> lin = torch.nn.Linear(3, 1)
     >>> tree = ms.extract(lin, detach=True)
@@ -86,7 +101,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)
     except RuntimeError as error:
         if "mutate a captured Tensor" in str(error):
-            error.add_note(_MUTATED_BUFFER_FIX)
+            add_note(error, _MUTATED_BUFFER_FIX)
         raise
     finally:
         swap.undo()
@@ -102,6 +117,18 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     option of modstate can collide with ``forward``'s keyword arguments. Threads: as
     [`call`][modstate.call]; the paths the tree leaves out show what the module holds for every thread
     (another thread's open ``inject``, say).
+
+    Args:
+        module: the module to call; it is left holding its own tensors.
+        tree: a tree (or a tuple of trees) that gives any of the module's paths.
+        *args: positional arguments of ``forward``.
+        **kwargs: keyword arguments of ``forward``.
+
+    Returns:
+        What ``module(*args, **kwargs)`` returns.
+
+    Raises:
+        KeyError: a path the module does not have (the message names it).
 
     >>> import torch, modstate as ms
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()

@@ -27,10 +27,14 @@ class Adadelta(ElementwiseOptimizer):
 
     The state is ``{"step", "square_avg", "acc_delta"}``.
 
-    Args:
-        **hyperparameters: ``lr``, ``rho``, ``eps``, ``weight_decay``, ``maximize``: as in
-            `modstate.optim.adadelta`, which builds it with `torch.optim.Adadelta`'s argument names
-            and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        rho: the decay rate of the running averages.
+        eps: the term added to the denominator.
+        weight_decay: the weight decay factor.
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.adadelta(lr=0.1) == Adadelta(lr=0.1)
@@ -56,7 +60,7 @@ class Adadelta(ElementwiseOptimizer):
     def buffer_names(self) -> tuple[str, ...]:
         return ("square_avg", "acc_delta")
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
         rho, eps = h["rho"], h["eps"]
         run.begin(self.maximize)

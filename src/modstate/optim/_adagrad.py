@@ -26,10 +26,15 @@ class Adagrad(ElementwiseOptimizer):
 
     The state is ``{"step", "sum"}``.
 
-    Args:
-        **hyperparameters: ``lr``, ``lr_decay``, ``weight_decay``, ``initial_accumulator_value``,
-            ``eps``, ``maximize``: as in `modstate.optim.adagrad`, which builds it with
-            `torch.optim.Adagrad`'s argument names and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        lr_decay: the learning rate decay.
+        weight_decay: the weight decay factor.
+        initial_accumulator_value: the starting value of the sum of squares.
+        eps: the term added to the denominator.
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.adagrad(lr=0.1) == Adagrad(lr=0.1)
@@ -60,13 +65,13 @@ class Adagrad(ElementwiseOptimizer):
     def buffer_names(self) -> tuple[str, ...]:
         return ("sum",)
 
-    def fill(self, name: str, leaf: Tensor) -> Tensor:
+    def _fill(self, name: str, leaf: Tensor) -> Tensor:
         value: float | complex = self.initial_accumulator_value
         if leaf.is_complex():
             value = complex(value, value)
         return torch.full_like(leaf, value, memory_format=torch.preserve_format)
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops = run.hyper, run.ops
         clr = h["lr"] / (1 + (run.count - 1) * h["lr_decay"])
         run.begin(self.maximize)
@@ -83,7 +88,7 @@ class Adagrad(ElementwiseOptimizer):
             run.p = ops.addcdiv(run.p, g, std, -clr, own=run.own_p, into_zs=True)
         return {}
 
-    def fused_update(self, run: Run) -> dict[str, Tensor]:
+    def _fused_update(self, run: Run) -> dict[str, Tensor]:
         h = run.hyper
         for p, g, (state_sum,), steps in run.fused_groups(self.buffer_names):
             torch._fused_adagrad_(

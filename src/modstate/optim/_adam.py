@@ -29,10 +29,16 @@ class Adam(AdamLike):
 
     The state is ``{"step", "exp_avg", "exp_avg_sq"}`` plus ``"max_exp_avg_sq"`` with amsgrad.
 
-    Args:
-        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``,
-            ``decoupled_weight_decay``: as in `modstate.optim.adam`, which builds it with
-            `torch.optim.Adam`'s argument names and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        betas: ``(beta1, beta2)``, the decay rates of the moment estimates.
+        eps: the term added to the denominator.
+        weight_decay: the weight decay factor.
+        amsgrad: whether the maximum of the second moment estimates is kept.
+        maximize: whether the objective is ascended.
+        decoupled_weight_decay: whether weight decay is decoupled (AdamW style).
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.adam(lr=0.1) == Adam(lr=0.1)
@@ -51,7 +57,7 @@ class Adam(AdamLike):
         names = ("exp_avg", "exp_avg_sq")
         return (*names, "max_exp_avg_sq") if self.amsgrad else names
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, t = run.hyper, run.ops, run.count
         lr, eps = h["lr"], h["eps"]
         beta1, beta2 = h["betas"]
@@ -74,7 +80,7 @@ class Adam(AdamLike):
         run.p = ops.addcdiv(run.p, m, denom, -step_size, own=run.own_p, into_zs=True)
         return {}
 
-    def fused_update(self, run: Run) -> dict[str, Tensor]:
+    def _fused_update(self, run: Run) -> dict[str, Tensor]:
         h = run.hyper
         beta1, beta2 = h["betas"]
         kernel = torch._fused_adamw_ if self.decoupled_weight_decay else torch._fused_adam_

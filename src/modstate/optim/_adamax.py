@@ -25,10 +25,14 @@ class Adamax(AdamLike):
 
     The state is ``{"step", "exp_avg", "exp_inf"}``.
 
-    Args:
-        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``maximize``: as in
-            `modstate.optim.adamax`, which builds it with `torch.optim.Adamax`'s argument names and
-            defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        betas: ``(beta1, beta2)``, the decay rates of the moment estimates.
+        eps: the term added to the denominator.
+        weight_decay: the weight decay factor.
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.adamax(lr=0.1) == Adamax(lr=0.1)
@@ -44,7 +48,7 @@ class Adamax(AdamLike):
     def buffer_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_inf")
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
         beta1, beta2 = h["betas"]
         run.begin(self.maximize)

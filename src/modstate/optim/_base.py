@@ -3,7 +3,7 @@
 An optimizer is a frozen dataclass of hyperparameters. `init` builds its state, `step` checks the
 trees, resolves the hyperparameters for this step (a schedule for `lr` is evaluated at the step
 count; a 0-dim tensor that is free to read becomes a number, so the numbers are `torch.optim`'s),
-and hands a `Run` (the leaves as lists, the ops, the step count) to the optimizer's `update`.
+and hands a `Run` (the leaves as lists, the ops, the step count) to the optimizer's `_update`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _resolve(value: Any, count_before: float | Tensor) -> Any:
 @dataclass(frozen=True)
 class ElementwiseOptimizer:
     """Base of the pure optimizers whose update is elementwise over the leaves (every optimizer
-    of `modstate.optim`; `masked` wraps one). Subclasses define the fields, buffers and `update`.
+    of `modstate.optim`; `masked` wraps one). Subclasses define the fields, buffers and `_update`.
 
     Subclasses are frozen dataclasses of hyperparameters; build them with the factories
     (`modstate.optim.adam`, ...), which carry `torch.optim`'s argument names and defaults.
@@ -70,7 +70,7 @@ class ElementwiseOptimizer:
 
     name: ClassVar[str] = "optimizer"
     scalar_names: ClassVar[tuple[str, ...]] = ()
-    # Whether torch.optim has fused kernels for this optimizer (`fused_update` runs them).
+    # Whether torch.optim has fused kernels for this optimizer (`_fused_update` runs them).
     has_fused: ClassVar[bool] = False
 
     foreach: bool | None = field(default=None, kw_only=True)
@@ -84,16 +84,16 @@ class ElementwiseOptimizer:
         """Names of the per-leaf state trees."""
         return ()
 
-    def fill(self, name: str, leaf: Tensor) -> Tensor:
+    def _fill(self, name: str, leaf: Tensor) -> Tensor:
         """The initial value of buffer `name` for `leaf`: zeros unless an optimizer says else."""
         return torch.zeros_like(leaf, memory_format=torch.preserve_format)
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         """Update `run.p` and `run.buffers`; return the new scalar state (name -> 0-dim)."""
         raise NotImplementedError
 
-    def fused_update(self, run: Run) -> dict[str, Tensor]:
-        """`update` with torch's fused kernel, in place on `run.p` and `run.buffers` (which
+    def _fused_update(self, run: Run) -> dict[str, Tensor]:
+        """`_update` with torch's fused kernel, in place on `run.p` and `run.buffers` (which
         the step owns by then); only for the optimizers with `has_fused`."""
         raise NotImplementedError
 
@@ -121,7 +121,7 @@ class ElementwiseOptimizer:
         """
         state: dict[str, Any] = {"step": new_scalar(0.0)}
         state.update({name: new_scalar(1.0) for name in self.scalar_names})
-        state.update(init_buffers(params, self.buffer_names, self.fill, self.name))
+        state.update(init_buffers(params, self.buffer_names, self._fill, self.name))
         return state
 
     def step(
@@ -221,10 +221,10 @@ class ElementwiseOptimizer:
     def _update_run(self, run: Run) -> dict[str, Tensor]:
         """The update, with the kernel the run chose (fused, by chunks, or as it is)."""
         if run.kernel == FUSED:
-            return self.fused_update(run)
+            return self._fused_update(run)
         if run.ops.foreach and len(run.p) > 1:
             return self._update_in_chunks(run)
-        return self.update(run)
+        return self._update(run)
 
     def _finish_again(
         self, repeat: Repeat, run: Run, names: tuple[str, ...]
@@ -255,17 +255,17 @@ class ElementwiseOptimizer:
         return cached[0] if cached else None
 
     def _update_in_chunks(self, run: Run) -> dict[str, Tensor]:
-        """`update`, a chunk of leaves at a time (one large leaf, or several small ones): each
+        """`_update`, a chunk of leaves at a time (one large leaf, or several small ones): each
         operation then finds its operands still in the cache, as torch.optim's single-tensor
         loop does, where one ``_foreach_*`` kernel over all leaves would stream every tree
         through memory once per operation. Same numbers: the update is elementwise."""
         bounds = _chunk_bounds(run.p)
         if len(bounds) == 1:
-            return self.update(run)
+            return self._update(run)
         parts = [run.chunk(start, stop) for start, stop in bounds]
         new_scalars: dict[str, Tensor] = {}
         for part in parts:
-            new_scalars = self.update(part)
+            new_scalars = self._update(part)
         run.join(parts)
         return new_scalars
 

@@ -40,6 +40,10 @@ class Masked:
 
     It satisfies the `Optimizer` protocol: `init` and `step` as the inner optimizer's, on the
     matching leaves only.
+
+    Attributes:
+        optimizer: the inner optimizer, which steps the matching leaves.
+        patterns: the globs on dotted leaf paths that select them.
     """
 
     optimizer: Optimizer

@@ -30,10 +30,16 @@ class NAdam(AdamLike):
     The state is ``{"step", "mu_product", "exp_avg", "exp_avg_sq"}``; ``mu_product`` (``P``) is
     a 0-dim tensor shared by all leaves, as the step counter is.
 
-    Args:
-        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum_decay``,
-            ``decoupled_weight_decay``, ``maximize``: as in `modstate.optim.nadam`, which builds it
-            with `torch.optim.NAdam`'s argument names and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        betas: ``(beta1, beta2)``, the decay rates of the moment estimates.
+        eps: the term added to the denominator.
+        weight_decay: the weight decay factor.
+        momentum_decay: the momentum decay (``psi``).
+        decoupled_weight_decay: whether weight decay is decoupled (AdamW style).
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.nadam(lr=0.1) == NAdam(lr=0.1)
@@ -73,7 +79,7 @@ class NAdam(AdamLike):
         run.once["mu_product"] = product
         return product
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own, t = run.hyper, run.ops, run.own_buffers, run.count
         lr, eps, momentum_decay = h["lr"], h["eps"], h["momentum_decay"]
         beta1, beta2 = h["betas"]

@@ -29,10 +29,15 @@ class RAdam(AdamLike):
 
     The state is ``{"step", "exp_avg", "exp_avg_sq"}``.
 
-    Args:
-        **hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay``,
-            ``maximize``: as in `modstate.optim.radam`, which builds it with `torch.optim.RAdam`'s
-            argument names and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        betas: ``(beta1, beta2)``, the decay rates of the moment estimates.
+        eps: the term added to the denominator.
+        weight_decay: the weight decay factor.
+        decoupled_weight_decay: whether weight decay is decoupled (AdamW style).
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.radam(lr=0.1) == RAdam(lr=0.1)
@@ -48,7 +53,7 @@ class RAdam(AdamLike):
     def buffer_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own, t = run.hyper, run.ops, run.own_buffers, run.count
         lr, eps = h["lr"], h["eps"]
         beta1, beta2 = h["betas"]

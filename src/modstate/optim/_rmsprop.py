@@ -28,10 +28,16 @@ class RMSprop(ElementwiseOptimizer):
     The state is ``{"step", "square_avg"}``, plus ``"momentum_buffer"`` (momentum) and
     ``"grad_avg"`` (centered).
 
-    Args:
-        **hyperparameters: ``lr``, ``alpha``, ``eps``, ``weight_decay``, ``momentum``, ``centered``,
-            ``maximize``: as in `modstate.optim.rmsprop`, which builds it with
-            `torch.optim.RMSprop`'s argument names and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        alpha: the smoothing constant of the squared-gradient average.
+        eps: the term added to the denominator.
+        weight_decay: the weight decay factor.
+        momentum: the momentum factor.
+        centered: whether the gradient is normalized by an estimate of its variance.
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.rmsprop(lr=0.1) == RMSprop(lr=0.1)
@@ -65,7 +71,7 @@ class RMSprop(ElementwiseOptimizer):
             names.append("grad_avg")
         return tuple(names)
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
         alpha, eps = h["alpha"], h["eps"]
         run.begin(self.maximize)

@@ -1,4 +1,4 @@
-"""`Run`: one optimizer step in progress, as the optimizers' `update` methods see it."""
+"""`Run`: one optimizer step in progress, as the optimizers' `_update` methods see it."""
 
 from __future__ import annotations
 

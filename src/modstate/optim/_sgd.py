@@ -28,10 +28,15 @@ class SGD(ElementwiseOptimizer):
     The state is ``{"step": 0-dim tensor, "momentum_buffer": tree}``; the buffer is left out when
     `momentum` is the number 0.
 
-    Args:
-        **hyperparameters: ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``,
-            ``maximize``: as in `modstate.optim.sgd`, which builds it with `torch.optim.SGD`'s
-            argument names and defaults (prefer the factory).
+    Attributes:
+        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        momentum: the momentum factor.
+        dampening: the dampening of the momentum.
+        weight_decay: the weight decay factor.
+        nesterov: whether Nesterov momentum is used.
+        maximize: whether the objective is ascended.
+        foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
+        fused: whether torch's fused kernel runs the step.
 
     Example:
         >>> modstate.optim.sgd(lr=0.1, momentum=0.9) == SGD(lr=0.1, momentum=0.9)
@@ -64,7 +69,7 @@ class SGD(ElementwiseOptimizer):
     def buffer_names(self) -> tuple[str, ...]:
         return () if is_zero(self.momentum) else ("momentum_buffer",)
 
-    def update(self, run: Run) -> dict[str, Tensor]:
+    def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops = run.hyper, run.ops
         run.begin(self.maximize)
         if not is_zero(self.momentum):
@@ -87,7 +92,7 @@ class SGD(ElementwiseOptimizer):
         run.p = ops.add(run.p, run.g, -h["lr"], own=run.own_p)
         return {}
 
-    def fused_update(self, run: Run) -> dict[str, Tensor]:
+    def _fused_update(self, run: Run) -> dict[str, Tensor]:
         h = run.hyper
         for p, g, buffers, _ in run.fused_groups(self.buffer_names):
             momentum_buffers = buffers[0] if buffers else []
