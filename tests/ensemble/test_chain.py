@@ -12,34 +12,8 @@ from torch import nn
 
 import modstate as ms
 
+from members import ATOL, cnn, loop, seeded
 from zoo import assert_unchanged, snapshot
-
-ATOL = 1e-5
-
-
-def seeded(factory, n, seed=0):
-    torch.manual_seed(seed)
-    return [factory() for _ in range(n)]
-
-
-def loop(models, x, in_dims=None):
-    return torch.stack([m(x if in_dims is None else x[i]) for i, m in enumerate(models)])
-
-
-def cnn():
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.BatchNorm2d(4),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, stride=2, groups=2),
-        nn.Flatten(),
-        nn.Linear(4 * 3 * 3, 2),
-    )
-
-
-def encoder_layer():
-    return nn.TransformerEncoderLayer(8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
-
 
 LAYERS = {
     "linear": (lambda: nn.Linear(5, 3), (4, 5)),

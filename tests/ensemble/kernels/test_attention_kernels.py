@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from loop_reference import assert_like_the_loop, seeded_members
 from torch import nn
 
 import modstate as ms
+
+from loop_reference import assert_like_the_loop, seeded_members
 
 WIDTH, HEADS = 8, 2
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loop_reference import assert_like_the_loop
 from torch import nn
+
+from loop_reference import assert_like_the_loop
 
 
 class ResidualBlock(nn.Module):

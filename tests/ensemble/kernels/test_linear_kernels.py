@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from loop_reference import assert_like_the_loop
 from torch import nn
+
+from loop_reference import assert_like_the_loop
 
 
 class Residual(nn.Module):

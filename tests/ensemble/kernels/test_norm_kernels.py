@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
-from loop_reference import assert_like_the_loop, seeded_members
 from torch import nn
 
 import modstate as ms
+
+from loop_reference import assert_like_the_loop, seeded_members
 
 
 class NormedResidual(nn.Module):

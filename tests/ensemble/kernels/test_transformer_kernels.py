@@ -8,10 +8,11 @@ import copy
 
 import pytest
 import torch
-from loop_reference import assert_like_the_loop
 from torch import nn
 
 import modstate as ms
+
+from loop_reference import assert_like_the_loop
 
 WIDTH = 8
 
