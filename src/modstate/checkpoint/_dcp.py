@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from modstate._core.torch_facts import is_dtensor
 from modstate.checkpoint._commit import why_absent
-from modstate.checkpoint._leaves import is_dtensor
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import torch
 
 from modstate._core.errors import PathError
 from modstate._core.flat import flatten, is_subtree
+from modstate._core.torch_facts import is_dtensor
 
 # Every dtype that both torch and safetensors know (safetensors' own table, by torch name).
 _SAFETENSORS_DTYPE_NAMES = (
@@ -35,15 +36,6 @@ _SAFETENSORS_DTYPE_NAMES = (
 SAFETENSORS_DTYPES: frozenset[torch.dtype] = frozenset(
     getattr(torch, name) for name in _SAFETENSORS_DTYPE_NAMES if hasattr(torch, name)
 )
-
-
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it needlessly)."""
-    if not isinstance(value, torch.Tensor) or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 def check_file_tensor(path: str, tensor: torch.Tensor) -> None:
