@@ -116,10 +116,18 @@ def _source_line(data: dict[str, Any]) -> str:
     )
 
 
+# Rows of a table that are no peer: modstate's other configurations (its foreach path beside
+# its fused one) and references such as the allocation floor. The tables show them; the
+# headline, which says how modstate compares with what a user would run instead, does not.
+NOT_PEERS = ("modstate", "allocation floor", "baseline")
+
+
 def _headline(cases: list[dict[str, Any]]) -> str:
     ratios: dict[str, list[float]] = {}
     for case in cases:
         for peer in case.get("peers", []):
+            if peer["impl"].startswith(NOT_PEERS):
+                continue
             if peer.get("ratio") is not None:
                 ratios.setdefault(peer["impl"], []).append(float(peer["ratio"]))
     if not ratios:

@@ -385,6 +385,20 @@ def test_the_page_puts_the_headline_first_then_a_table_per_family_with_the_ratio
     assert calls[3].startswith("|  | baseline: plain forward | – |  | 10 us |")
 
 
+def test_the_headline_leaves_out_modstates_own_configurations_and_references():
+    case = {
+        "case": "optim step: adam, donated",
+        "family": "Optimizers",
+        "peers": [
+            {"impl": "torch.optim (fused=True)", "ratio": 0.9, "median_s": 1e-3},
+            {"impl": "modstate (foreach=True)", "ratio": 0.3, "median_s": 3e-3},
+            {"impl": "allocation floor (empty_like + fill)", "ratio": 3.0, "median_s": 3e-4},
+        ],
+    }
+    line = page._headline([case])
+    assert line == "**1.1x faster** than torch.optim (fused=True)"
+
+
 def test_the_docs_page_shows_the_figures_of_docs_bench_json():
     """docs/benchmarks.md's tables are what the generator makes of docs/bench/bench.json: refresh
     them with ``python benchmarks/report --from docs/bench/bench.json --page docs/benchmarks.md``."""
