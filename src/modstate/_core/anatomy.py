@@ -240,22 +240,9 @@ class Anatomy:
         """Precompute how to read a tree shaped like ``template`` leaf by leaf, without recursion."""
         node_parent: list[int] = []
         node_key: list[str] = []
-        self.node_lens: list[int] = []
+        self.node_lens: list[int] = [0]
         leaf_node_of: dict[str, tuple[int, str]] = {}
-
-        def visit(node: dict[str, Any], index: int, prefix: str) -> None:
-            self.node_lens[index] = len(node)
-            for key, value in node.items():
-                if isinstance(value, dict):
-                    node_parent.append(index)
-                    node_key.append(key)
-                    self.node_lens.append(0)
-                    visit(value, len(self.node_lens) - 1, f"{prefix}{key}.")
-                else:
-                    leaf_node_of[prefix + key] = (index, key)
-
-        self.node_lens.append(0)
-        visit(self.template, 0, "")
+        _number_nodes(self.template, 0, "", node_parent, node_key, self.node_lens, leaf_node_of)
         self.node_program = list(zip(node_parent, node_key))
         self.leaf_nodes = [leaf_node_of[slot.path][0] for slot in self.ordered]
         self.leaf_keys = [leaf_node_of[slot.path][1] for slot in self.ordered]
@@ -426,3 +413,29 @@ class ModuleGuard:
 
 
 _MISSING = object()
+
+
+def _number_nodes(
+    node: dict[str, Any],
+    index: int,
+    prefix: str,
+    parents: list[int],
+    keys: list[str],
+    lens: list[int],
+    leaf_node_of: dict[str, tuple[int, str]],
+) -> None:
+    """Number the dict nodes below ``node`` (number ``index``) depth first: each one's parent
+    number and key, each node's length, and each leaf path's ``(node number, key)``. A function
+    of the module, not a closure: a recursive closure refers to itself, and through its cell to
+    the anatomy, which then outlives its module until the cycle collector runs."""
+    lens[index] = len(node)
+    for key, value in node.items():
+        if isinstance(value, dict):
+            parents.append(index)
+            keys.append(key)
+            lens.append(0)
+            _number_nodes(
+                value, len(lens) - 1, f"{prefix}{key}.", parents, keys, lens, leaf_node_of
+            )
+        else:
+            leaf_node_of[prefix + key] = (index, key)

@@ -15,7 +15,6 @@ size (plus one member, and the first member kept as the template).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,10 +85,6 @@ def build_members(
                 if ties[path] == path and isinstance(leaf, Tensor):
                     stacked[path][index].copy_(leaf)
         del model, flat  # the next member is built without this one alive
-        # A module's cached anatomy (modstate._core.anatomy) refers to itself through a closure:
-        # collect the young generations so that the member's tensors go now, not at some later
-        # collection (measured: otherwise up to a dozen members stay alive at once).
-        gc.collect(1)
     assert template is not None
     out = {}
     for path, leaf in first.items():

@@ -1,0 +1,36 @@
+"""The module anatomy (``_core/anatomy.py``) is cached per module and goes with it: nothing in it
+refers to itself, so a member built, extracted and called is freed by reference counting alone,
+without waiting for the cycle collector (which ``Ensemble.from_factory`` relies on to keep its
+peak memory at the stacked size)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+import modstate as ms
+from modstate._core.anatomy import anatomy_of
+
+
+def test_a_module_and_its_anatomy_go_together_without_the_cycle_collector():
+    gc.collect()
+    gc.disable()  # from the start: a collection could break a cycle that the build made
+    try:
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        x = torch.randn(5, 3)
+        tree = ms.extract(model, detach=True)
+        ms.call(model, tree, x)
+        params, state = ms.split(model, detach=True)
+        ms.apply(model, params, state, x)
+        with ms.inject(model, tree):
+            model(x)
+        anatomy = weakref.ref(anatomy_of(model))
+        weight = weakref.ref(model[0].weight)
+        del tree, params, state, model
+        assert anatomy() is None
+        assert weight() is None
+    finally:
+        gc.enable()
