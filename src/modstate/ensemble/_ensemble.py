@@ -38,16 +38,16 @@ class Ensemble(nn.Module):
     How it runs (``ensemble.plan`` shows it, layer by layer): the members' own ``forward`` runs
     once, under ``torch.vmap``, on member-stacked activations, and every layer with a batched
     form runs as one kernel on the stacked weights wherever it sits in the model: ``Linear``
-    (batched matmul), ``Conv1d/2d/3d`` (grouped convolution), ``BatchNorm1d/2d/3d`` (one batch
-    norm over the members' channels: per-member statistics, train and eval), ``LayerNorm``,
-    ``GroupNorm``, ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention``
-    (members folded into the attention batch), ``TransformerEncoderLayer`` and
-    ``TransformerDecoderLayer`` (one kernel each) and Hugging Face's ``Conv1D``. The code
-    between layers (residual adds, reshapes, pooling, activations, dropout) is batched by vmap;
-    a layer with tensors but no batched form runs as its own code under vmap, with the same
-    results (the plan says why). A plain
-    ``nn.Sequential`` of such layers called with one tensor runs the kernels in sequence without
-    vmap at all. Outputs, gradients and BatchNorm statistics equal the members run one by one.
+    (batched matmul), ``Conv1d/2d/3d`` (grouped convolution; on the CPU a batched matmul when
+    the output maps have at most 16 positions), ``BatchNorm1d/2d/3d`` (one batch norm over the
+    members' channels: per-member statistics, train and eval), ``LayerNorm``, ``GroupNorm``,
+    ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention`` (members folded
+    into the attention batch), ``TransformerEncoderLayer`` and ``TransformerDecoderLayer`` (one
+    kernel each) and Hugging Face's ``Conv1D``. The code between layers (residual adds,
+    reshapes, pooling, activations, dropout) is batched by vmap; a layer with tensors but no
+    batched form runs as its own code under vmap, with the same results (the plan says why). A
+    plain ``nn.Sequential`` of such layers called with one tensor runs the kernels in sequence
+    without vmap at all. Outputs, gradients and BatchNorm statistics equal the members run one by one.
 
     Args:
         modules: the members: models of one architecture (same submodule types and training

@@ -1,7 +1,10 @@
 """Convolutions as one grouped convolution (``_kernels/conv.py``): every setting of
-``nn.Conv1d/2d/3d``, shared and per-member inputs, inside a residual block."""
+``nn.Conv1d/2d/3d``, shared and per-member inputs, inside a residual block; and small output maps
+on the CPU as one batched matmul over unfolded patches."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -40,6 +43,14 @@ CONVOLUTIONS = {
         (2, 2, 7),
     ),
     "residual_block": (ResidualBlock, (2, 4, 6, 6)),
+    # output maps of at most 16 positions: a batched matmul over unfolded patches (with in_dims=0)
+    "conv2d_small_maps": (lambda: nn.Conv2d(4, 6, 3, padding=1), (2, 4, 4, 4)),
+    "conv2d_1x1_strided_small_maps": (lambda: nn.Conv2d(4, 6, 1, stride=2), (2, 4, 6, 6)),
+    "conv2d_reflect_dilated_small_maps": (
+        lambda: nn.Conv2d(2, 3, 3, padding=2, dilation=2, padding_mode="reflect", bias=False),
+        (1, 2, 4, 4),
+    ),
+    "residual_block_small_maps": (ResidualBlock, (2, 4, 3, 3)),
     "stem_then_grouped": (
         lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2)),
         (2, 3, 8, 8),
@@ -55,3 +66,24 @@ def test_convolutions_equal_the_members_one_by_one(case, in_dims):
     ensemble = assert_like_the_loop(factory, lambda: (torch.randn(*lead, *shape),), in_dims=in_dims)
     convolutions = [r for r in ensemble.plan.routes if r.layer.startswith("Conv")]
     assert convolutions and all(r.how == "grouped convolution" for r in convolutions)
+
+
+def test_small_output_maps_run_as_a_batched_matmul_and_larger_ones_as_a_grouped_convolution(
+    monkeypatch,
+):
+    from modstate.ensemble._kernels import conv
+
+    routes = []
+    original = conv.ConvolutionKernel._small_maps_as_matmul
+
+    def spy(self, *args):
+        out = original(self, *args)
+        routes.append("matmul" if out is not None else "grouped")
+        return out
+
+    monkeypatch.setattr(conv.ConvolutionKernel, "_small_maps_as_matmul", spy)
+    for side, route in [(4, "matmul"), (5, "grouped")]:  # 16 positions, then 25
+        routes.clear()
+        inputs = functools.partial(lambda side: (torch.randn(3, 2, 4, side, side),), side)
+        assert_like_the_loop(lambda: nn.Conv2d(4, 6, 3, padding=1), inputs, in_dims=0)
+        assert routes and set(routes) == {route}

@@ -1,9 +1,11 @@
-"""Convolutions as one grouped convolution: the members' channels side by side, a group each."""
+"""Convolutions as one grouped convolution: the members' channels side by side, a group each; on
+the CPU, 2-D convolutions with small output maps as one batched matmul over unfolded patches."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -23,7 +25,15 @@ class ConvolutionKernel:
 
     A shared input (the stem of a network, ``in_dims=None``) with ``groups=1`` is one ordinary
     convolution with the members' filters side by side. Padding modes other than zeros pad
-    first, as ``nn.Conv2d`` does."""
+    first, as ``nn.Conv2d`` does.
+
+    On the CPU, a ``Conv2d`` (``groups=1``) whose output maps have at most `MATMUL_POSITIONS`
+    positions (the deep layers of a CNN: 4x4, 2x2) runs as one batched matmul over the members
+    instead, on its unfolded input patches (``F.unfold``), with the same layout out. There
+    oneDNN's grouped convolution is slow: measured on a 2-core x86 server for torchvision
+    ResNet-18's layer3/layer4 shapes, 4 members, it took 1.1-2x the matmul forward and up to 2x
+    with backward (``benchmarks/ensemble_architectures_benchmarks_test.py``); on larger maps the
+    grouped convolution wins, up to 5x."""
 
     route = "grouped convolution"
     fresh = True
@@ -43,6 +53,13 @@ class ConvolutionKernel:
         if module.padding_mode != "zeros":
             self.pad_first = _explicit_padding(module)
             self.padding = (0,) * self.spatial
+        self.kernel_size = module.kernel_size
+        # Unfold takes 2-D inputs and padding as numbers; "same" padding stays a convolution.
+        self.matmul_ok = (
+            isinstance(module, nn.Conv2d)
+            and module.groups == 1
+            and not isinstance(self.padding, str)
+        )
 
     def __call__(self, x: Tensor, bdim: int | None) -> tuple[Tensor, int] | None:
         spatial, count = self.spatial, self.count
@@ -61,6 +78,10 @@ class ConvolutionKernel:
             channels, groups = channels_side_by_side(x, bdim, count), self.groups * count
         if self.pad_first:
             channels = F.pad(channels, self.pad_first, mode=self.padding_mode)
+        if groups == count and self.matmul_ok and channels.is_cpu:
+            out = self._small_maps_as_matmul(channels, weight, bias)
+            if out is not None:
+                return (out.squeeze(0), 0) if unbatched else (out, 1)
         out = self.convolve(
             channels,
             weight.flatten(0, 1),
@@ -74,6 +95,41 @@ class ConvolutionKernel:
         if unbatched:
             return out.squeeze(0), 0
         return out, 1
+
+    def _small_maps_as_matmul(
+        self, channels: Tensor, weight: Tensor, bias: Tensor | None
+    ) -> Tensor | None:
+        """``(batch, members, out channels, h, w)`` by one ``baddbmm`` over the members, from
+        ``channels`` ``(batch, members * in channels, H, W)``; None when the output maps are
+        larger than `MATMUL_POSITIONS` (the grouped convolution is faster there)."""
+        assert not isinstance(self.padding, str)
+        batch, _, height, width = channels.shape
+        out_hw = [
+            (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+            for size, pad, dilation, kernel, stride in zip(
+                (height, width), self.padding, self.dilation, self.kernel_size, self.stride
+            )
+        ]
+        positions = out_hw[0] * out_hw[1]
+        if positions > MATMUL_POSITIONS or positions <= 0:
+            return None
+        count, out_channels = weight.shape[0], weight.shape[1]
+        patches = F.unfold(channels, self.kernel_size, self.dilation, self.padding, self.stride)
+        # (batch, members * in channels * kh * kw, positions), member-major, as the weights are
+        depth = patches.shape[1] // count
+        patches = patches.view(batch, count, depth, positions).permute(1, 2, 0, 3)
+        patches = patches.reshape(count, depth, batch * positions)
+        filters = weight.reshape(count, out_channels, depth)
+        if bias is None:
+            out = torch.bmm(filters, patches)
+        else:
+            out = torch.baddbmm(bias.view(count, out_channels, 1), filters, patches)
+        out = out.view(count, out_channels, batch, *out_hw).permute(2, 0, 1, 3, 4)
+        return out.contiguous()
+
+
+MATMUL_POSITIONS = 16
+"""The most positions per output map (4x4) at which a CPU ``Conv2d`` runs as a batched matmul."""
 
 
 def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
