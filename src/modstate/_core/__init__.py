@@ -12,7 +12,8 @@ The pipeline, bottom up:
 - ``sharded``: the machinery of FSDP2 / tensor-parallel modules; ``hooks``: the ``state_dict``
   bridge;
 - ``prepare``: check a tree against a module and plan which slot gets which tensor (three
-  routes), raising the ``errors``; ``swaps``: the prepared swaps, applied and undone, for the
+  routes; ``readers`` and ``parts`` read trees and tuples of trees by programs made once per
+  structure), raising the ``errors``; ``swaps``: the prepared swaps, applied and undone, for the
   calling thread only (calls) or for every thread (``inject``, ``swap``);
 - ``extract`` takes a tree out, ``split`` divides it into what is trained and what is carried;
   ``inject`` / ``swap`` / ``load`` (in ``inject``) put one in; ``call`` is the stateless call and

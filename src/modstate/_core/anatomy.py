@@ -35,6 +35,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from .readers import TreeReader
 from .sharded import Sharding, sharding_of
 from .tables import SlotTable, calls_here
 
@@ -238,14 +239,10 @@ class Anatomy:
 
     def _compile_reader(self) -> None:
         """Precompute how to read a tree shaped like ``template`` leaf by leaf, without recursion."""
-        node_parent: list[int] = []
-        node_key: list[str] = []
-        self.node_lens: list[int] = [0]
-        leaf_node_of: dict[str, tuple[int, str]] = {}
-        _number_nodes(self.template, 0, "", node_parent, node_key, self.node_lens, leaf_node_of)
-        self.node_program = list(zip(node_parent, node_key))
-        self.leaf_nodes = [leaf_node_of[slot.path][0] for slot in self.ordered]
-        self.leaf_keys = [leaf_node_of[slot.path][1] for slot in self.ordered]
+        reader = TreeReader(self.template, [slot.path for slot in self.ordered])
+        self.reader = reader
+        self.node_program, self.node_lens = reader.node_program, reader.node_lens
+        self.leaf_nodes, self.leaf_keys = reader.leaf_nodes, reader.leaf_keys
 
     # -- the fast path ---------------------------------------------------------------------------
 
@@ -262,23 +259,7 @@ class Anatomy:
 
     def read(self, tree: Mapping[str, Any]) -> tuple[list[Any], list[Any]] | None:
         """The leaves of ``tree`` in plan order, with its nodes, or None if it is shaped otherwise."""
-        nodes: list[Any] = [tree]
-        append = nodes.append
-        try:
-            for parent, key in self.node_program:
-                node = nodes[parent][key]
-                if type(node) is not dict and not isinstance(node, Mapping):
-                    return None
-                append(node)
-        except KeyError:
-            return None
-        if list(map(len, nodes)) != self.node_lens:
-            return None
-        try:
-            leaves = list(map(_getitem, map(nodes.__getitem__, self.leaf_nodes), self.leaf_keys))
-        except KeyError:
-            return None
-        return leaves, nodes
+        return self.reader.read(tree)
 
     def new_tree(self, leaves: list[Any]) -> dict[str, Any]:
         """A fresh nested dict shaped like ``template`` holding ``leaves`` (in plan order)."""
@@ -413,29 +394,3 @@ class ModuleGuard:
 
 
 _MISSING = object()
-
-
-def _number_nodes(
-    node: dict[str, Any],
-    index: int,
-    prefix: str,
-    parents: list[int],
-    keys: list[str],
-    lens: list[int],
-    leaf_node_of: dict[str, tuple[int, str]],
-) -> None:
-    """Number the dict nodes below ``node`` (number ``index``) depth first: each one's parent
-    number and key, each node's length, and each leaf path's ``(node number, key)``. A function
-    of the module, not a closure: a recursive closure refers to itself, and through its cell to
-    the anatomy, which then outlives its module until the cycle collector runs."""
-    lens[index] = len(node)
-    for key, value in node.items():
-        if isinstance(value, dict):
-            parents.append(index)
-            keys.append(key)
-            lens.append(0)
-            _number_nodes(
-                value, len(lens) - 1, f"{prefix}{key}.", parents, keys, lens, leaf_node_of
-            )
-        else:
-            leaf_node_of[prefix + key] = (index, key)

@@ -4,7 +4,8 @@ Nothing here changes the module. A prepared `Swap` comes from one of
 three routes:
 
 - the compiled plan of the module's `Anatomy`, when the tree has
-  exactly the shape ``extract`` gives (a few C-level passes over flat lists);
+  exactly the shape ``extract`` gives (a few C-level passes over flat lists), or is a tuple of
+  trees that together give every path once (``(params, state)``; see ``parts.py``);
 - the general route, path by path, for partial trees, ties given at one path, and for precise
   errors whenever the compiled plan declines;
 - the ``state_dict`` route (``use_state_dict=True``), which replays ``load_state_dict``'s hooks.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import repeat
 from typing import Any
@@ -27,6 +28,7 @@ from .errors import MissingPaths, dtype_mismatch, shape_mismatch, unknown_path
 from .flat import unflatten
 from .hooks import Assignment, LoadPlan, plan_load
 from .leaves import leaves_of
+from .parts import read_parts
 from .sharded import partial_leaf
 from .swaps import Swap, UnshardedSwap
 from .torch_facts import unwrapped
@@ -64,6 +66,8 @@ def prepare(
     prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
         prepared = _prepare_compiled(anatomy, tree, strict, private, lock)
+    elif isinstance(tree, (tuple, list)):
+        prepared = _prepare_compiled_parts(anatomy, tree, strict, private, lock)
     if prepared is None:
         prepared = _prepare_by_path(anatomy, tree, strict, private, lock)
     if compute and anatomy.sharding is not None:
@@ -92,6 +96,36 @@ def _prepare_compiled(
     if read is None:
         return None
     leaves, nodes = read
+    leaf_nodes, leaf_keys = anatomy.leaf_nodes, anatomy.leaf_keys
+    return _compiled_swap(
+        anatomy, leaves, lambda i: (nodes[leaf_nodes[i]], leaf_keys[i]), strict, private, lock
+    )
+
+
+def _prepare_compiled_parts(
+    anatomy: Anatomy,
+    parts: tuple[Any, ...] | list[Any],
+    strict: bool,
+    private: bool,
+    lock: threading.RLock | None,
+) -> Swap | None:
+    read = read_parts(anatomy, parts)
+    if read is None:
+        return None
+    leaves, target = read
+    return _compiled_swap(anatomy, leaves, target, strict, private, lock)
+
+
+def _compiled_swap(
+    anatomy: Anatomy,
+    leaves: list[Any],
+    targets: Callable[[int], tuple[Any, str] | None],
+    strict: bool,
+    private: bool,
+    lock: threading.RLock | None,
+) -> Swap | None:
+    """The swap of the compiled plan for ``leaves`` (one per slot, in plan order); None where
+    the general route must look closer (other shapes, ties given apart, non-tensors)."""
     olds = anatomy.holding
     if not all(map(_is, leaves, olds)):
         if not all(map(isinstance, leaves, repeat(Tensor))):
@@ -110,7 +144,6 @@ def _prepare_compiled(
                         return None  # the path-by-path route names the conflict
                     leaves[i] = first  # one tensor for the whole tie, as in the module
 
-    leaf_nodes, leaf_keys = anatomy.leaf_nodes, anatomy.leaf_keys
     guarded = anatomy.guarded
     return Swap(
         anatomy.tables,
@@ -118,7 +151,7 @@ def _prepare_compiled(
         leaves,
         olds,
         anatomy.buffer_positions,
-        lambda i: (nodes[leaf_nodes[i]], leaf_keys[i]),
+        targets,
         partial(ModuleGuard, guarded) if guarded else None,
         anatomy.new_tree,
         private=private,

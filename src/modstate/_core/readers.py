@@ -1,0 +1,89 @@
+"""Reading nested dicts by a program made once per structure: `TreeReader`.
+
+A tree handed to modstate over and over (every training step) has the same structure each time.
+Walking it recursively costs more than the swap itself on small models; a `TreeReader` numbers
+the dict nodes of one structure once, and then reads a tree of that structure with a few C-level
+passes over flat lists, or tells that the tree is shaped otherwise. The module's `Anatomy` keeps
+one for trees shaped like ``extract``'s; ``parts.py`` keeps one per part of a tuple of trees.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+_getitem = operator.getitem
+
+
+class TreeReader:
+    """How to read the leaves of trees shaped like one nested dict (``template``), without
+    recursion: its dict nodes numbered depth first (``node_program``: each one's parent number
+    and key; ``node_lens``: each one's length), and where each of ``paths`` sits (its node number
+    and key). A tree whose nodes have other lengths, or lack a key, is shaped otherwise."""
+
+    __slots__ = ("leaf_keys", "leaf_nodes", "node_lens", "node_program")
+
+    def __init__(self, template: dict[str, Any], paths: list[str]) -> None:
+        parents: list[int] = []
+        keys: list[str] = []
+        self.node_lens: list[int] = [0]
+        leaf_node_of: dict[str, tuple[int, str]] = {}
+        _number_nodes(template, 0, "", parents, keys, self.node_lens, leaf_node_of)
+        self.node_program = list(zip(parents, keys))
+        self.leaf_nodes = [leaf_node_of[path][0] for path in paths]
+        self.leaf_keys = [leaf_node_of[path][1] for path in paths]
+
+    @staticmethod
+    def leaf_paths(template: dict[str, Any]) -> list[str]:
+        """Every leaf path of ``template`` (a None included), in its order."""
+        leaf_node_of: dict[str, tuple[int, str]] = {}
+        _number_nodes(template, 0, "", [], [], [0], leaf_node_of)
+        return list(leaf_node_of)
+
+    def read(self, tree: Mapping[str, Any]) -> tuple[list[Any], list[Any]] | None:
+        """The leaves of ``tree`` at ``paths``, with its nodes, or None if it is shaped
+        otherwise."""
+        nodes: list[Any] = [tree]
+        append = nodes.append
+        try:
+            for parent, key in self.node_program:
+                node = nodes[parent][key]
+                if type(node) is not dict and not isinstance(node, Mapping):
+                    return None
+                append(node)
+        except KeyError:
+            return None
+        if list(map(len, nodes)) != self.node_lens:
+            return None
+        try:
+            leaves = list(map(_getitem, map(nodes.__getitem__, self.leaf_nodes), self.leaf_keys))
+        except KeyError:
+            return None
+        return leaves, nodes
+
+
+def _number_nodes(
+    node: dict[str, Any],
+    index: int,
+    prefix: str,
+    parents: list[int],
+    keys: list[str],
+    lens: list[int],
+    leaf_node_of: dict[str, tuple[int, str]],
+) -> None:
+    """Number the dict nodes below ``node`` (number ``index``) depth first: each one's parent
+    number and key, each node's length, and each leaf path's ``(node number, key)``. A function
+    of the module, not a closure: a recursive closure refers to itself, and through its cell to
+    the anatomy, which then outlives its module until the cycle collector runs."""
+    lens[index] = len(node)
+    for key, value in node.items():
+        if isinstance(value, dict):
+            parents.append(index)
+            keys.append(key)
+            lens.append(0)
+            _number_nodes(
+                value, len(lens) - 1, f"{prefix}{key}.", parents, keys, lens, leaf_node_of
+            )
+        else:
+            leaf_node_of[prefix + key] = (index, key)
