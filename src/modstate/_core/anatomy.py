@@ -179,7 +179,8 @@ class Anatomy:
         self.buffer_positions = [i for i, slot in enumerate(self.ordered) if slot.is_buffer]
         position = {slot_index: pos for pos, slot_index in enumerate(order)}
         self.tie_positions = [[position[i] for i in group] for group in self.tie_groups]
-        self._compile_reader()
+        # Reads trees shaped like ``template`` leaf by leaf in plan order, without recursion.
+        self.reader = TreeReader(self.template, [slot.path for slot in self.ordered])
 
         # Structure fingerprint: every dict that can gain or lose an entry, and every child.
         self.dicts: list[dict[str, Any]] = []
@@ -236,13 +237,6 @@ class Anatomy:
             if sub:
                 node[name] = sub
         return node or None
-
-    def _compile_reader(self) -> None:
-        """Precompute how to read a tree shaped like ``template`` leaf by leaf, without recursion."""
-        reader = TreeReader(self.template, [slot.path for slot in self.ordered])
-        self.reader = reader
-        self.node_program, self.node_lens = reader.node_program, reader.node_lens
-        self.leaf_nodes, self.leaf_keys = reader.leaf_nodes, reader.leaf_keys
 
     # -- the fast path ---------------------------------------------------------------------------
 

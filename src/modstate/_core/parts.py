@@ -20,52 +20,49 @@ _MOST_PLANS = 8  # structures remembered per module; a loop uses one or two
 
 
 class _Plan:
-    """How to read parts of one combination of structures: per part, a reader of its leaves
-    (``given``) and one of its None holes (``holes``; None without holes), the plan position of
-    each given leaf, and for each position the part and the given leaf that fill it. ``fits`` is False for structures that
-    cannot take the compiled route (a path the module lacks, given twice, or left out): the
-    general route then says what is wrong, and the plan only spares finding that out again."""
+    """How to read parts of one combination of structures: per part, a reader of all its leaves
+    (``readers``), which of them are None holes (``holes``), and each other leaf's index with its
+    plan position (``positions``); for each plan position, the part and the leaf that fill it
+    (``sources``). ``fits`` is False for structures that cannot take the compiled route (a
+    path the module lacks, given twice, or left out): the general route then says what is wrong,
+    and the plan only spares finding that out again."""
 
-    __slots__ = ("fits", "given", "holes", "positions", "sources")
+    __slots__ = ("fits", "holes", "positions", "readers", "sources")
 
     def __init__(self, anatomy: Anatomy, parts: Sequence[dict[str, Any]]) -> None:
         position_of = {slot.path: i for i, slot in enumerate(anatomy.ordered)}
         sources: list[tuple[int, int] | None] = [None] * len(position_of)
-        self.given: list[TreeReader] = []
-        self.holes: list[TreeReader | None] = []
-        self.positions: list[list[int]] = []
+        self.readers: list[TreeReader] = []
+        self.holes: list[list[int]] = []
+        self.positions: list[list[tuple[int, int]]] = []
         fits = True
         for index, part in enumerate(parts):
-            paths = TreeReader.leaf_paths(part)
-            nodes = dict(zip(paths, TreeReader(part, paths).read(part)[0]))  # type: ignore[index]
-            given = [path for path in paths if nodes[path] is not None]
-            self.given.append(TreeReader(part, given))
-            holes = [path for path in paths if nodes[path] is None]
-            self.holes.append(TreeReader(part, holes) if holes else None)
+            reader = TreeReader(part)
+            leaves = reader.read(part)[0]  # type: ignore[index]
+            self.readers.append(reader)
+            self.holes.append([i for i, leaf in enumerate(leaves) if leaf is None])
             where = []
-            for number, path in enumerate(given):
-                position = position_of.get(path)
+            for i, leaf in enumerate(leaves):
+                if leaf is None:
+                    continue
+                position = position_of.get(reader.paths[i])
                 if position is None or sources[position] is not None:
                     fits = False
                     continue
-                sources[position] = (index, number)
-                where.append(position)
+                sources[position] = (index, i)
+                where.append((i, position))
             self.positions.append(where)
         self.fits = fits and all(source is not None for source in sources)
         self.sources = sources
 
     def read(self, parts: Sequence[Any]) -> list[tuple[list[Any], list[Any]]] | None:
-        """Each part's given leaves and its nodes, or None if a part is shaped otherwise than
-        this plan's (a hole filled included)."""
+        """Each part's leaves and nodes, or None if a part is shaped otherwise than this plan's
+        (a hole filled included)."""
         found = []
-        for part, given, holes in zip(parts, self.given, self.holes):
-            read = given.read(part)
-            if read is None:
+        for part, reader, holes in zip(parts, self.readers, self.holes):
+            read = reader.read(part)
+            if read is None or any(read[0][i] is not None for i in holes):
                 return None
-            if holes is not None:
-                hole_read = holes.read(part)
-                if hole_read is None or any(hole is not None for hole in hole_read[0]):
-                    return None
             found.append(read)
         return found
 
@@ -84,7 +81,7 @@ def read_parts(
     if known is None:
         known = _plans.setdefault(anatomy, [])
     for plan in known:
-        if len(plan.given) == len(parts):
+        if len(plan.readers) == len(parts):
             found = plan.read(parts)
             if found is not None:
                 break
@@ -98,13 +95,12 @@ def read_parts(
         return None
     leaves: list[Any] = [None] * len(plan.sources)
     for (part_leaves, _), where in zip(found, plan.positions):
-        for leaf, position in zip(part_leaves, where):
-            leaves[position] = leaf
-    sources, readers = plan.sources, plan.given
+        for i, position in where:
+            leaves[position] = part_leaves[i]
+    sources, readers = plan.sources, plan.readers
 
     def target(position: int) -> tuple[Any, str]:
-        part, number = sources[position]  # type: ignore[misc]
-        reader = readers[part]
-        return found[part][1][reader.leaf_nodes[number]], reader.leaf_keys[number]
+        part, i = sources[position]  # type: ignore[misc]
+        return readers[part].place(found[part][1], i)
 
     return leaves, target

@@ -96,10 +96,8 @@ def _prepare_compiled(
     if read is None:
         return None
     leaves, nodes = read
-    leaf_nodes, leaf_keys = anatomy.leaf_nodes, anatomy.leaf_keys
-    return _compiled_swap(
-        anatomy, leaves, lambda i: (nodes[leaf_nodes[i]], leaf_keys[i]), strict, private, lock
-    )
+    place = partial(anatomy.reader.place, nodes)
+    return _compiled_swap(anatomy, leaves, place, strict, private, lock)
 
 
 def _prepare_compiled_parts(

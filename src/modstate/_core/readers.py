@@ -20,26 +20,22 @@ class TreeReader:
     """How to read the leaves of trees shaped like one nested dict (``template``), without
     recursion: its dict nodes numbered depth first (``node_program``: each one's parent number
     and key; ``node_lens``: each one's length), and where each of ``paths`` sits (its node number
-    and key). A tree whose nodes have other lengths, or lack a key, is shaped otherwise."""
+    and key); ``paths`` defaults to every leaf path of ``template``, None leaves included, in its
+    order. A tree whose nodes have other lengths, or lack a key, is shaped otherwise."""
 
-    __slots__ = ("leaf_keys", "leaf_nodes", "node_lens", "node_program")
+    __slots__ = ("leaf_keys", "leaf_nodes", "node_lens", "node_program", "paths")
 
-    def __init__(self, template: dict[str, Any], paths: list[str]) -> None:
+    def __init__(self, template: dict[str, Any], paths: list[str] | None = None) -> None:
         parents: list[int] = []
         keys: list[str] = []
         self.node_lens: list[int] = [0]
         leaf_node_of: dict[str, tuple[int, str]] = {}
         _number_nodes(template, 0, "", parents, keys, self.node_lens, leaf_node_of)
         self.node_program = list(zip(parents, keys))
-        self.leaf_nodes = [leaf_node_of[path][0] for path in paths]
-        self.leaf_keys = [leaf_node_of[path][1] for path in paths]
-
-    @staticmethod
-    def leaf_paths(template: dict[str, Any]) -> list[str]:
-        """Every leaf path of ``template`` (a None included), in its order."""
-        leaf_node_of: dict[str, tuple[int, str]] = {}
-        _number_nodes(template, 0, "", [], [], [0], leaf_node_of)
-        return list(leaf_node_of)
+        self.paths = list(leaf_node_of) if paths is None else paths
+        where = [leaf_node_of[path] for path in self.paths]
+        self.leaf_nodes = [node for node, _ in where]
+        self.leaf_keys = [key for _, key in where]
 
     def read(self, tree: Mapping[str, Any]) -> tuple[list[Any], list[Any]] | None:
         """The leaves of ``tree`` at ``paths``, with its nodes, or None if it is shaped
@@ -61,6 +57,10 @@ class TreeReader:
         except KeyError:
             return None
         return leaves, nodes
+
+    def place(self, nodes: list[Any], i: int) -> tuple[Any, str]:
+        """``(node, key)``: where leaf ``i`` stands in the tree whose ``nodes`` `read` returned."""
+        return nodes[self.leaf_nodes[i]], self.leaf_keys[i]
 
 
 def _number_nodes(
