@@ -75,7 +75,7 @@ def main() -> int:
                 # torch's own __all__ lists leave out public names (torch.multiprocessing's
                 # start_processes): a gap in torch's exports, not in modstate's API
                 "reportPrivateImportUsage": "none",
-                "pythonVersion": "3.10",
+                "pythonVersion": "3.11",
             }
         )
     )
@@ -90,7 +90,7 @@ def main() -> int:
             "--disable-error-code=name-defined",
             "--disable-error-code=used-before-def",
             "--disable-error-code=has-type",
-            "--python-version=3.10",
+            "--python-version=3.11",
             "--no-incremental",
             *files,
         ]

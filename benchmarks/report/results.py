@@ -204,7 +204,7 @@ def read_skips(junit_path: Path) -> list[Skip]:
 def report_json(report: Report, data: dict[str, Any], *, quick: bool) -> dict[str, Any]:
     machine = data.get("machine_info") or {}
     return {
-        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "statistic": "median seconds per call",
         "ratio": "modstate / peer",
         "quick": quick,

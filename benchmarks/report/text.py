@@ -141,7 +141,7 @@ def footer_line(data: dict[str, Any], *, quick: bool, when: datetime.datetime | 
     where = cpu.get("brand_raw") or machine.get("processor") or machine.get("machine") or "?"
     if cpu.get("count"):
         where += f", {cpu['count']} CPUs"
-    when = when or datetime.datetime.now(datetime.timezone.utc)
+    when = when or datetime.datetime.now(datetime.UTC)
     torch_version = versions("torch")["torch"] or "?"
     return " · ".join(
         (

@@ -191,7 +191,7 @@ def test_footer_says_what_the_figures_come_from():
 
     import torch
 
-    when = datetime.datetime(2026, 12, 2, tzinfo=datetime.timezone.utc)
+    when = datetime.datetime(2026, 12, 2, tzinfo=datetime.UTC)
     data = {"machine_info": {"cpu": {"brand_raw": "Some CPU", "count": 2}}}
     assert table.footer_line(data, quick=True, when=when) == (
         f"quick run · torch {torch.__version__} · Some CPU, 2 CPUs · 2026-12-02"

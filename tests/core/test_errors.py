@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import modstate as ms
-from modstate._core.errors import MissingPaths, add_note
+from modstate._core.errors import MissingPaths
 
 from zoo import assert_unchanged, snapshot
 
@@ -123,14 +123,3 @@ def test_flatten_and_unflatten_errors_name_the_function_and_path():
         ValueError, match=r"^unflatten: 'a\.b': lies under 'a', which is already a leaf"
     ):
         ms.unflatten({"a": torch.ones(1), "a.b": torch.ones(1)})
-
-
-def test_a_note_reaches_the_reader_on_the_same_exception_object():
-    error = RuntimeError("vmap: randomness error mode")
-    add_note(error, "pass randomness='different'")
-    shown = str(error) + "".join(getattr(error, "__notes__", []))
-    assert "randomness error mode" in shown
-    assert "pass randomness='different'" in shown
-    with pytest.raises(RuntimeError) as raised:
-        raise error
-    assert raised.value is error

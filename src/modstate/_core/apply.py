@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .anatomy import Anatomy, anatomy_of
 from .call import call
-from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch, add_note
+from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from .flat import is_subtree, iter_leaves
 from .torch_facts import version
 from .types import Tree
@@ -122,7 +122,7 @@ def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
         raise error.within("apply", _APPLY_FIXES.get(type(error))) from None
     except RuntimeError as error:
         if "running_mean or running_var" in str(error) and "not batched" in str(error):
-            add_note(error, _UNBATCHED_STATE_FIX)
+            error.add_note(_UNBATCHED_STATE_FIX)
         raise
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch, add_note
+from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from .flat import flatten, unflatten
 from .prepare import prepare
 from .torch_facts import write_back
@@ -101,7 +101,7 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)
     except RuntimeError as error:
         if "mutate a captured Tensor" in str(error):
-            add_note(error, _MUTATED_BUFFER_FIX)
+            error.add_note(_MUTATED_BUFFER_FIX)
         raise
     finally:
         swap.undo()

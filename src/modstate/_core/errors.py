@@ -20,17 +20,6 @@ if TYPE_CHECKING:
 _E = TypeVar("_E", bound="PathError")
 
 
-def add_note(error: BaseException, note: str) -> None:
-    """Attach ``note`` to ``error`` before it is re-raised: `BaseException.add_note` where Python
-    has it (3.11+); on 3.10 the note is appended to the message, on the same exception object."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    elif error.args and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
-    else:
-        error.args = (*error.args, note)
-
-
 def message(function: str, path: str, what: str, fix: str = "") -> str:
     """``"<function>: '<path>': <what>; <fix>"``, leaving out the parts that are empty."""
     text = f"{path!r}: {what}" if path else what

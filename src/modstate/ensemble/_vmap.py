@@ -15,7 +15,6 @@ from torch.nn.parameter import is_lazy
 
 from modstate._core.anatomy import anatomy_of, buffer_paths
 from modstate._core.call import call
-from modstate._core.errors import add_note
 from modstate._core.flat import Layout, flatten, unflatten
 from modstate._core.torch_facts import write_back
 from modstate._core.types import Tree
@@ -223,7 +222,7 @@ class StackedCall:
             )(carried, *args)
         except RuntimeError as error:
             if "randomness error mode" in str(error):
-                add_note(error, _RANDOMNESS_FIX)
+                error.add_note(_RANDOMNESS_FIX)
             raise
 
     def check_counts(

@@ -85,7 +85,6 @@ def _raise_at(op: str, wrapped: AtPath, *, user_fn: bool = False) -> NoReturn:
     if not user_fn and type(error) in _PLAIN_ERRORS:
         what = str(error) if path is not None else f"at the root: {error}"
         raise type(error)(message(op, what, path)) from error
-    if hasattr(error, "add_note"):
-        where = repr(path) if path is not None else "the root"
-        error.add_note(f"raised by the function given to tree.{op}, at leaf {where}")
+    where = repr(path) if path is not None else "the root"
+    error.add_note(f"raised by the function given to tree.{op}, at leaf {where}")
     raise error
