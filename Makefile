@@ -1,7 +1,7 @@
 .PHONY: install test lint format docs docs-check typecheck build bench demo
 
 install:
-	python -m pip install torch==2.13.0 && python -m pip install -e ".[test,bench,zoo]"
+	python -m pip install torch==2.13.0 && python -m pip install -e ".[test,bench,zoo,docs]"
 
 test:
 	python -m pytest
