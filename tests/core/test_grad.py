@@ -3,6 +3,8 @@ torch.func transforms and by torch.func inside them."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,30 @@ def test_pytrees_none_holes_unused_leaves_and_ties():
     assert grads["a"] is grads["b"] and torch.equal(grads["a"], torch.full((2,), 5.0))
     # A function that does not depend on its input at all has zero gradients.
     assert torch.equal(ms.grad(lambda t: torch.tensor(1.0))({"w": w})["w"], torch.zeros(2))
+
+
+def test_one_gradient_function_over_trees_of_changing_structures():
+    # a loop's structure is read by a plan made once; any other tree is still read for what it is
+    def loss(tree):
+        return sum((leaf * leaf).sum() for leaf in ms.flatten(tree).values() if leaf is not None)
+
+    gradient = ms.grad(loss)
+    a, b, c = torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([5.0])
+    trees = [
+        {"x": {"a": a}, "b": b},
+        {"x": {"a": a}, "b": b},  # the structure met before
+        {"x": {"a": a, "c": c}, "b": b},  # a key more
+        {"x": {"a": a}, "b": None},  # a hole where there was a leaf
+        {"x": {"b": a}, "b": b},  # another key
+        {"x": OrderedDict(a=a), "b": b},  # another kind of node
+    ]
+    for tree in trees:
+        grads = gradient(tree)
+        assert type(grads["x"]) is type(tree["x"])
+        assert ms.flatten(grads).keys() == ms.flatten(tree).keys()
+        for path, leaf in ms.flatten(tree).items():
+            got = ms.flatten(grads)[path]
+            assert got is None if leaf is None else torch.equal(got, 2 * leaf), path
 
 
 def test_partition_halves_are_differentiated_with_the_hole_kept():

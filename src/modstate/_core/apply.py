@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .anatomy import Anatomy, anatomy_of
-from .call import call
+from .anatomy import anatomy_of
+from .apply_plan import buffer_owners, copy_buffers, plan_for
+from .call import call, run_swapped
 from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from .flat import is_subtree, iter_leaves
+from .prepare import prepare_in_plan_order
+from .swaps import Swap
 from .torch_facts import version
 from .types import Tree
 
@@ -115,8 +118,11 @@ _SHAPES_FIX = (
 _APPLY_FIXES = {MissingPaths: _MISSING_FIX, ShapeMismatch: _SHAPES_FIX, DtypeMismatch: _SHAPES_FIX}
 
 
-def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
+def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict, swap: Swap | None = None) -> Any:
+    """``call(module, tree, ...)``, or the call with ``swap`` prepared already, as apply's."""
     try:
+        if swap is not None:
+            return run_swapped(module, swap, args, kwargs)
         return call(module, tree, *args, **kwargs)
     except PathError as error:
         raise error.within("apply", _APPLY_FIXES.get(type(error))) from None
@@ -126,83 +132,41 @@ def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict) -> Any:
         raise
 
 
-class _Layout:
-    """What apply needs to know of one anatomy: each path's position in the anatomy's plan
-    order, which paths hold buffers, and where the norm layers are."""
-
-    __slots__ = ("buffers", "owners", "position", "size")
-
-    def __init__(self, anatomy: Anatomy, module: nn.Module) -> None:
-        self.position = {slot.path: i for i, slot in enumerate(anatomy.ordered)}
-        self.size = len(anatomy.ordered)
-        self.buffers = frozenset(slot.path for slot in anatomy.slots if slot.is_buffer)
-        self.owners = _buffer_owners(module)
-
-    def updated_by_kernel(self) -> set[str]:
-        return {path for path, owner in self.owners.items() if owner.training}
-
-
-_layouts: weakref.WeakKeyDictionary[Anatomy, _Layout] = weakref.WeakKeyDictionary()
-
-
 def _apply_in_plan_order(
     module: nn.Module, params: dict, state: Mapping[str, Any], args: tuple, kwargs: dict
 ) -> tuple[Any, Tree] | None:
-    """apply through the anatomy's compiled plan: ``params`` and the copied ``state`` merged into
-    one tree shaped like ``extract``'s. None (nothing done) when the trees are not exactly two
-    disjoint halves of the module's paths: the general route then runs, or names the error."""
+    """apply through the anatomy's compiled plan: the leaves of ``params`` and of the copied
+    ``state`` go into the module's slots straight from the plan (`apply_plan.py`). None (nothing
+    done) when the trees are not exactly two disjoint halves of the module's paths: the general
+    route then runs, or names the error."""
     anatomy = anatomy_of(module)
-    layout = _layouts.get(anatomy)
-    if layout is None:
-        layout = _layouts[anatomy] = _Layout(anatomy, module)
-    position, buffers = layout.position, layout.buffers
-    leaves: list[Any] = [None] * layout.size
-    for path, leaf in iter_leaves(params):
-        if leaf is None:
-            continue
-        i = position.get(path)
-        if i is None or path in buffers or leaves[i] is not None:
-            return None
-        leaves[i] = leaf
-    copies: dict[str, tuple[Tensor, int]] = {}
-    for path, leaf in iter_leaves(state):
-        if leaf is None:
-            continue
-        i = position.get(path)
-        if i is None or leaves[i] is not None:
-            return None
-        if path in buffers and isinstance(leaf, Tensor):
-            leaf = leaf.clone()
-            copies[path] = (leaf, version(leaf))
-        leaves[i] = leaf
-    if any(leaf is None for leaf in leaves):
+    found = plan_for(anatomy, module, params, state)
+    if found is None:
         return None
-    merged = anatomy.new_tree(leaves)
-    out = _call(module, merged, args, kwargs)
-    after = anatomy.read(merged)
-    assert after is not None  # call writes reassigned buffers back in place: same shape
-    now = after[0]
-    updated = layout.updated_by_kernel()
+    plan, leaves = found
+    offset = len(leaves) - len(plan.state_reader.paths)
+    originals = leaves[offset:]
+    copies = copy_buffers(plan, leaves, module)
+    in_plan_order = list(map(leaves.__getitem__, plan.order))
+    reassigned: dict[Any, Any] = {}  # plan position -> what forward assigned to that buffer
+    swap = prepare_in_plan_order(module, anatomy, in_plan_order, partial(_at, reassigned))
+    if swap is None:  # other shapes, a sharded module: call reads a tree and says what is wrong
+        merged = anatomy.new_tree(in_plan_order)
+        out = _call(module, merged, args, kwargs)
+        now = anatomy.read(merged)[0]  # type: ignore[index]  # same shape: written in place
+        reassigned = {position: now[position] for _, position, *_ in copies}
+    else:
+        out = _call(module, None, args, kwargs, swap)
+    new_leaves = list(originals)
+    for index, position, copy, copied_at, training in copies:
+        current = reassigned.get(position, copy)
+        if current is not copy or training or version(current) != copied_at:
+            new_leaves[index - offset] = current
+    return out, plan.state_reader.build(new_leaves)
 
-    def collect(node: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, original in node.items():
-            path = prefix + key
-            if is_subtree(key, original):
-                out[key] = collect(original, f"{path}.")
-                continue
-            copy = copies.get(path)
-            if copy is None:
-                out[key] = original
-                continue
-            current = now[position[path]]
-            if current is not copy[0] or path in updated or version(current) != copy[1]:
-                out[key] = current
-            else:
-                out[key] = original
-        return out
 
-    return out, collect(state, "")
+def _at(node: dict[Any, Any], key: Any) -> tuple[dict[Any, Any], Any]:
+    return node, key
 
 
 def _refuse_buffers_in(params: Any, buffers: set[str]) -> None:
@@ -268,15 +232,6 @@ def _collect(
     return out
 
 
-def _buffer_owners(module: nn.Module) -> dict[str, nn.Module]:
-    """The module that holds each buffer, by path (a shared module at its first path)."""
-    return {
-        f"{prefix}.{name}" if prefix else name: owner
-        for prefix, owner in module.named_modules()
-        for name, _ in owner.named_buffers(recurse=False)
-    }
-
-
 def _buffers_of_training_modules(module: nn.Module) -> set[str]:
     """Paths of the buffers whose owner is in training mode: each comes back as its copy.
 
@@ -287,4 +242,4 @@ def _buffers_of_training_modules(module: nn.Module) -> set[str]:
     comes back as the same object unless ``forward`` reassigned it or wrote to it with an in-place
     op that bumps the version counter.
     """
-    return {path for path, owner in _buffer_owners(module).items() if owner.training}
+    return {path for path, owner in buffer_owners(module).items() if owner.training}

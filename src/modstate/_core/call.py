@@ -10,6 +10,7 @@ from torch import nn
 from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from .flat import flatten, unflatten
 from .prepare import prepare
+from .swaps import Swap
 from .torch_facts import write_back
 from .types import TreeArg
 
@@ -96,6 +97,11 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
         swap = prepare(module, tree, True, compute=True, private=True)
     except PathError as error:
         raise error.within("call", _CALL_FIXES.get(type(error))) from None
+    return run_swapped(module, swap, args, kwargs)
+
+
+def run_swapped(module: nn.Module, swap: Swap, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``module(*args, **kwargs)`` with ``swap`` applied, undone afterwards whatever happens."""
     swap.apply()
     try:
         return module(*args, **kwargs)

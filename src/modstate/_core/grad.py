@@ -24,6 +24,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .readers import TreeReader
 from .torch_facts import functorch_active
 
 Argnums = int | tuple[int, ...]
@@ -110,10 +111,15 @@ def grad_and_value(
 def _grad_and_value(
     fn: Callable[..., Any], argnums: Argnums, has_aux: bool, name: str
 ) -> Callable[..., tuple[Any, Any]]:
+    readers: dict[int, list[TreeReader]] = {}  # per position, the structures met so far
+
     @functools.wraps(fn)
     def gradient_and_value(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         positions = _positions(name, argnums, len(args))
-        trees = [_Differentiated(name, position, args[position]) for position in positions]
+        trees = [
+            _Differentiated(name, position, args[position], readers.setdefault(position, []))
+            for position in positions
+        ]
         if functorch_active() or any(tree.requires_grad for tree in trees):
             grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
         else:
@@ -151,16 +157,22 @@ def _positions(name: str, argnums: object, count: int) -> tuple[int, ...]:
 
 
 class _Differentiated:
-    """One differentiated argument: its tensor leaves (None is an empty subtree), checked."""
+    """One differentiated argument: its tensor leaves (None is an empty subtree), checked.
 
-    __slots__ = ("leaves", "requires_grad", "tree", "treedef")
+    Nested dicts of tensors of a structure met before (``known``, a loop's every step) are read
+    by that structure's `TreeReader`; other nested dicts, lists and tuples are walked here, and
+    any other tree by optree."""
 
-    def __init__(self, name: str, position: int, tree: Any) -> None:
+    __slots__ = ("leaves", "reader", "requires_grad", "tree", "treedef")
+
+    def __init__(self, name: str, position: int, tree: Any, known: list[TreeReader]) -> None:
         self.tree = tree
-        self.treedef: Any
-        leaves = _plain_leaves(tree)
-        if leaves is not None:  # nested dicts, lists and tuples: walked here, fast
-            self.leaves, self.treedef = leaves, None
+        self.treedef: Any = None
+        self.reader = _known_reader(tree, known)
+        if self.reader is not None:
+            self.leaves = self.reader.read(tree)[0]  # type: ignore[index]
+        elif (leaves := _plain_leaves(tree)) is not None:
+            self.leaves = leaves
         else:
             self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
         for index, leaf in enumerate(self.leaves):
@@ -184,6 +196,8 @@ class _Differentiated:
 
     def path(self, index: int) -> str:
         """The dotted path of leaf `index` (for errors)."""
+        if self.reader is not None:
+            return self.reader.paths[index]
         if self.treedef is None:
             paths: list[str] = []
             _plain_paths(self.tree, "", paths)
@@ -192,9 +206,44 @@ class _Differentiated:
         return ".".join(str(key) for key in path) or "<root>"
 
     def rebuild(self, leaves: Sequence[Any]) -> Any:
+        if self.reader is not None:
+            return self.reader.build(list(leaves))
         if self.treedef is None:
             return _plain_rebuild(self.tree, iter(leaves))
         return self.treedef.unflatten(leaves)
+
+
+_MOST_STRUCTURES = 4  # per argument; a training loop meets one
+
+
+def _known_reader(tree: Any, known: list[TreeReader]) -> TreeReader | None:
+    """The reader of ``tree``'s structure when ``tree`` is nested plain dicts of plain tensors
+    (no hole, no other node); a new one is remembered in ``known``. None for any other tree."""
+    if type(tree) is not dict:
+        return None
+    for reader in known:
+        read = reader.read(tree)
+        if read is not None and _only_tensors(read):
+            return reader
+    try:
+        reader = TreeReader(tree)
+    except TypeError:  # a key that is not a string
+        return None
+    read = reader.read(tree)
+    if read is None or not _only_tensors(read) or not reader.paths_are_distinct():
+        return None
+    if len(known) >= _MOST_STRUCTURES:
+        del known[0]
+    known.append(reader)
+    return reader
+
+
+def _only_tensors(read: tuple[list[Any], list[Any]]) -> bool:
+    leaves, nodes = read
+    return set(map(type, leaves)) <= _TENSOR and set(map(type, nodes)) == _DICT
+
+
+_TENSOR, _DICT = frozenset({Tensor}), frozenset({dict})
 
 
 def _plain_leaves(tree: Any) -> list[Any] | None:

@@ -56,13 +56,7 @@ def prepare(
     at a time) on modules running compiled code, and on modules whose forward rewrites tensors
     kept in ``__dict__`` (``Anatomy.serialized``)."""
     anatomy = anatomy_of(module)
-    # A call on a module that runs compiled code swaps for every thread, as inject does (see
-    # Anatomy.layered), so such calls run one at a time. module.compile() after the anatomy was
-    # built changes no slot: looked up here.
-    compiled = anatomy.runs_compiled_code or vars(module).get("_compiled_call_impl") is not None
-    one_at_a_time = private and (anatomy.serialized or compiled)
-    private = private and not compiled and anatomy.layered and anatomy.sharding is None
-    lock = serial_lock(module) if one_at_a_time and anatomy.sharding is None else None
+    private, lock = _privacy(module, anatomy, private)
     prepared = None
     if type(tree) is dict or isinstance(tree, Mapping):
         prepared = _prepare_compiled(anatomy, tree, strict, private, lock)
@@ -83,6 +77,37 @@ def prepare(
             )
         return UnshardedSwap(prepared, anatomy.sharding)
     return prepared
+
+
+def prepare_in_plan_order(
+    module: nn.Module,
+    anatomy: Anatomy,
+    leaves: list[Any],
+    targets: Callable[[int], tuple[Any, str] | None],
+) -> Swap | None:
+    """The stateless call's swap (``prepare(..., strict=True, compute=True, private=True)``) of
+    ``leaves`` given in the anatomy's plan order, with no tree to read (``apply`` has them as a
+    list); ``targets(i)`` is where a buffer that forward reassigns goes. None where a tree must
+    take `prepare`'s routes: other shapes or dtypes, ties given apart, sharded modules."""
+    if anatomy.sharding is not None:
+        return None
+    private, lock = _privacy(module, anatomy, True)
+    return _compiled_swap(anatomy, leaves, targets, True, private, lock)
+
+
+def _privacy(
+    module: nn.Module, anatomy: Anatomy, private: bool
+) -> tuple[bool, threading.RLock | None]:
+    """Whether a swap asked to be ``private`` can be, and the lock it holds if it must run one
+    call at a time."""
+    # A call on a module that runs compiled code swaps for every thread, as inject does (see
+    # Anatomy.layered), so such calls run one at a time. module.compile() after the anatomy was
+    # built changes no slot: looked up here.
+    compiled = anatomy.runs_compiled_code or vars(module).get("_compiled_call_impl") is not None
+    one_at_a_time = private and (anatomy.serialized or compiled)
+    private = private and not compiled and anatomy.layered and anatomy.sharding is None
+    lock = serial_lock(module) if one_at_a_time and anatomy.sharding is None else None
+    return private, lock
 
 
 def _prepare_compiled(

@@ -21,16 +21,18 @@ class TreeReader:
     recursion: its dict nodes numbered depth first (``node_program``: each one's parent number
     and key; ``node_lens``: each one's length), and where each of ``paths`` sits (its node number
     and key); ``paths`` defaults to every leaf path of ``template``, None leaves included, in its
-    order. A tree whose nodes have other lengths, or lack a key, is shaped otherwise."""
+    order. A tree whose nodes have other lengths, or lack a key, is shaped otherwise.
+    `build` makes a new tree of the template's structure from a flat list of leaves."""
 
-    __slots__ = ("leaf_keys", "leaf_nodes", "node_lens", "node_program", "paths")
+    __slots__ = ("entries", "leaf_keys", "leaf_nodes", "node_lens", "node_program", "paths")
 
     def __init__(self, template: dict[str, Any], paths: list[str] | None = None) -> None:
         parents: list[int] = []
         keys: list[str] = []
         self.node_lens: list[int] = [0]
         leaf_node_of: dict[str, tuple[int, str]] = {}
-        _number_nodes(template, 0, "", parents, keys, self.node_lens, leaf_node_of)
+        self.entries: list[tuple[int, str, int]] = []
+        _number_nodes(template, 0, "", parents, keys, self.node_lens, leaf_node_of, self.entries)
         self.node_program = list(zip(parents, keys))
         self.paths = list(leaf_node_of) if paths is None else paths
         where = [leaf_node_of[path] for path in self.paths]
@@ -58,6 +60,19 @@ class TreeReader:
             return None
         return leaves, nodes
 
+    def build(self, leaves: list[Any]) -> dict[str, Any]:
+        """A new nested dict shaped like the template (plain dicts, keys in its order) holding
+        ``leaves``, given in the order of the template's own leaf paths (the default ``paths``)."""
+        nodes: list[dict[str, Any]] = [{} for _ in self.node_lens]
+        for node, key, child in self.entries:
+            nodes[node][key] = nodes[child] if child >= 0 else leaves[~child]
+        return nodes[0]
+
+    def paths_are_distinct(self) -> bool:
+        """False for a template where two entries make one path (a key ``"a.b"`` beside
+        ``{"a": {"b": ...}}``): ``paths`` then has fewer leaves than the template."""
+        return len(self.paths) == sum(1 for *_, child in self.entries if child < 0)
+
     def place(self, nodes: list[Any], i: int) -> tuple[Any, str]:
         """``(node, key)``: where leaf ``i`` stands in the tree whose ``nodes`` `read` returned."""
         return nodes[self.leaf_nodes[i]], self.leaf_keys[i]
@@ -71,9 +86,11 @@ def _number_nodes(
     keys: list[str],
     lens: list[int],
     leaf_node_of: dict[str, tuple[int, str]],
+    entries: list[tuple[int, str, int]],
 ) -> None:
     """Number the dict nodes below ``node`` (number ``index``) depth first: each one's parent
-    number and key, each node's length, and each leaf path's ``(node number, key)``. A function
+    number and key, each node's length, each leaf path's ``(node number, key)``, and every entry
+    in order as ``(node number, key, child)``, ``child`` a node number or ``~leaf number``. A function
     of the module, not a closure: a recursive closure refers to itself, and through its cell to
     the anatomy, which then outlives its module until the cycle collector runs."""
     lens[index] = len(node)
@@ -82,8 +99,10 @@ def _number_nodes(
             parents.append(index)
             keys.append(key)
             lens.append(0)
+            entries.append((index, key, len(lens) - 1))
             _number_nodes(
-                value, len(lens) - 1, f"{prefix}{key}.", parents, keys, lens, leaf_node_of
+                value, len(lens) - 1, f"{prefix}{key}.", parents, keys, lens, leaf_node_of, entries
             )
         else:
+            entries.append((index, key, ~len(leaf_node_of)))
             leaf_node_of[prefix + key] = (index, key)
