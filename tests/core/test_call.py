@@ -34,7 +34,7 @@ def test_grad_matches_autograd_on_the_module():
     x = torch.randn(4, 3)
     grads = grad(lambda t: ms.call(model, t, x).square().mean())(ms.extract(model, detach=True))
     model(x).square().mean().backward()
-    for (path, g), p in zip(ms.flatten(grads).items(), model.parameters()):
+    for (path, g), p in zip(ms.flatten(grads).items(), model.parameters(), strict=True):
         assert torch.allclose(g, p.grad), path
 
 

@@ -63,7 +63,7 @@ def test_pickle_torch_save_and_deepcopy_give_plain_modules():
         assert all(type(sub._parameters) is dict for sub in twin.modules())
         assert all(type(sub._buffers) is dict for sub in twin.modules())
         assert torch.equal(twin(X), expected)
-        assert all(a is not b for a, b in zip(own(twin).values(), own(m).values()))
+        assert all(a is not b for a, b in zip(own(twin).values(), own(m).values(), strict=True))
     buffer = io.BytesIO()
     torch.save(m.state_dict(), buffer)
     buffer.seek(0)

@@ -356,7 +356,7 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
             for leaf in ms.flatten(params).values()
         ]
 
-    for got, wanted in zip(penalized(tree, model), penalized(full(tree), reference)):
+    for got, wanted in zip(penalized(tree, model), penalized(full(tree), reference), strict=True):
         assert close(got, wanted)
 
     # torch.func.grad of vmap_call over a stack of trees; vmap of grad is refused, naming it.

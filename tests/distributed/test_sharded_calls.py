@@ -170,7 +170,9 @@ def check_layout(name: str, build, mesh) -> None:
     assert close(stacked_out[1], ms.call(reference, full(other), x)), name
 
     # The module is left exactly as it was, and trains on as before.
-    assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects)), name
+    assert all(
+        a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+    ), name
     assert hook_tables(sharded) == hooks, name
     assert [p.requires_grad for p in sharded.parameters()] == flags, name
     sgd_step(sharded, batch(3))
@@ -218,7 +220,9 @@ def check_layout(name: str, build, mesh) -> None:
     assert close(local_output(sharded, x), want), name
     ms.load(sharded, full(other))
     assert close(local_output(sharded, x), ms.call(reference, full(other), x)), name
-    assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects)), name
+    assert all(
+        a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+    ), name
     ms.load(reference, full(other))
     if name == "fsdp2 root only":
         # A root keeps its parameters gathered after a forward without backward: FSDP reshards
@@ -245,14 +249,18 @@ def check_layout(name: str, build, mesh) -> None:
             assert "FSDP2" in str(error) and "ms.load" in str(error), error
         else:
             raise AssertionError(f"{name}: swap on FSDP-owned parameters was accepted")
-        assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
+        assert all(
+            a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+        )
         ms.load(sharded, changed)  # the fix the message names
         assert close(local_output(sharded, x), want), name
     else:
         old = ms.swap(sharded, ms.tree.map(nn.Parameter, changed))
         assert close(local_output(sharded, x), ms.call(reference, full(changed), x)), name
         ms.swap(sharded, old)
-        assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
+        assert all(
+            a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+        )
 
 
 def with_batchnorm(seed: int) -> nn.Sequential:

@@ -23,7 +23,7 @@ def test_the_global_seed_decides_every_member():
     first = ms.Ensemble.from_factory(factory, 4)
     torch.manual_seed(7)
     again = ms.Ensemble.from_factory(factory, 4)
-    for a, b in zip(first.parameters(), again.parameters()):
+    for a, b in zip(first.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

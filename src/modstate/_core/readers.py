@@ -31,7 +31,7 @@ class TreeReader:
         self.node_lens: list[int] = [0]
         leaf_node_of: dict[str, tuple[int, str]] = {}
         _number_nodes(template, 0, "", parents, keys, self.node_lens, leaf_node_of)
-        self.node_program = list(zip(parents, keys))
+        self.node_program = list(zip(parents, keys, strict=True))
         self.paths = list(leaf_node_of) if paths is None else paths
         where = [leaf_node_of[path] for path in self.paths]
         self.leaf_nodes = [node for node, _ in where]
