@@ -189,12 +189,17 @@ def test_call_partial_under_grad():
 
 
 def test_none_leaves_in_a_tuple_of_trees_are_holes():
-    model = bn_model()
-    trained, carried = ms.tree.partition(ms.extract(model), ms.tree.is_trainable)
+    model, source = bn_model(), bn_model()
+    with torch.no_grad():
+        for tensor in source.state_dict().values():
+            tensor.add_(1)  # other values than the model's, buffers included
+    trained, carried = ms.tree.partition(ms.extract(source), ms.tree.is_trainable)
     x = torch.randn(5, 3)
-    assert torch.equal(ms.call(model, (trained, carried), x), model(x))
+    expected = source(x)  # the module's own forward with those values
+    assert not torch.equal(expected, model(x))
+    assert torch.equal(ms.call(model, (trained, carried), x), expected)
     with ms.inject(model, (trained, carried)):
-        assert torch.equal(model(x), ms.call(model, ms.extract(model), x))
+        assert torch.equal(model(x), expected)
     with pytest.raises(KeyError, match=r"'2\.running_var'"):
         carried["2"]["running_var"] = None  # now no tree gives it
         ms.call(model, (trained, carried), x)

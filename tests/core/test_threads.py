@@ -18,6 +18,8 @@ from torch import nn
 
 import modstate as ms
 
+from zoo import forward_with
+
 THREADS = 4
 CALLS = 200
 
@@ -338,10 +340,10 @@ def test_a_call_while_another_thread_holds_inject_open():
     objects = own_objects(model)
     tree_a, tree_b = random_tree(model, 1), random_tree(model, 2)
     partial_a = {"4": tree_a["4"]}
-    with torch.no_grad():
-        expected_a = ms.call(model, tree_a, X)
-        expected_b = ms.call(model, tree_b, X)
-        expected_mix = ms.call(model, {**tree_b, "4": tree_a["4"]}, X)
+    with torch.no_grad():  # the module's own forward with each tree loaded
+        expected_a = forward_with(model, tree_a, X)
+        expected_b = forward_with(model, tree_b, X)
+        expected_mix = forward_with(model, {**tree_b, "4": tree_a["4"]}, X)
     injected, done = threading.Event(), threading.Event()
     wrong = {"a": 0, "a partial": 0, "c": 0}
     seen: dict[str, dict[str, torch.Tensor]] = {}
