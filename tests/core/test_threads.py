@@ -376,6 +376,7 @@ def test_a_call_while_another_thread_holds_inject_open():
     done.set()
     threads[0].join()
     assert wrong == {"a": 0, "a partial": 0, "c": 0}
+    assert seen["extract"].keys() == ms.flatten(tree_b).keys()
     assert all(v is ms.flatten(tree_b)[k] for k, v in seen["extract"].items())
     assert_holds(model, objects)
 

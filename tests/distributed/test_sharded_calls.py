@@ -153,6 +153,7 @@ def check_layout(name: str, build, mesh) -> None:
 
     grads = torch.func.grad(loss)(changed, sharded, x)
     want_grads = torch.func.grad(loss)(full(changed), reference, x)
+    assert ms.flatten(grads).keys() == ms.flatten(changed).keys(), name
     for path, g in ms.flatten(grads).items():
         leaf = ms.flatten(changed)[path]
         assert isinstance(g, DTensor), (name, path)
@@ -289,6 +290,7 @@ def check_apply_in_train_mode(mesh) -> None:
 
     grads, new_state = torch.func.grad(loss, has_aux=True)(params, state, sharded)
     want_grads, want_state = torch.func.grad(loss, has_aux=True)(full(params), state, reference)
+    assert ms.flatten(grads).keys() == ms.flatten(params).keys()
     for path, g in ms.flatten(grads).items():
         assert g.placements == ms.flatten(params)[path].placements, path
         assert close(g.full_tensor(), ms.flatten(want_grads)[path]), path

@@ -238,6 +238,7 @@ def test_step_mutates_no_input(opt, recording):
     new_params, _ = opt.step(params, grads, state)
     assert_untouched(snap)
     inputs = {id(leaf) for leaf in snap[0]}
+    assert optree.tree_structure(new_params) == optree.tree_structure(params)
     assert not any(id(leaf) in inputs for leaf in optree.tree_leaves(new_params))
 
 

@@ -155,6 +155,7 @@ def test_donate_reuses_the_buffers_of_params_and_state(name):
     storages = {t.data_ptr() for t in leaves(params) + leaves(state)}
     new_params, new_state = opt.step(params, grads, state, donate=True)
     outputs = leaves(new_params) + leaves(new_state)
+    assert len(outputs) == len(leaves(params)) + len(leaves(state))
     assert all(t.data_ptr() in storages for t in outputs)
 
 
