@@ -23,15 +23,16 @@ def make_model() -> nn.Sequential:
 
 
 def test_core_calls_type_check_and_run() -> None:
-    model = make_model()
+    model, other = make_model(), make_model()
     tree = ms.extract(model)
-    params = ms.extract(model, detach=True)
+    params = ms.extract(other, detach=True)
     flat = ms.flatten(params)
     assert ms.flatten(ms.unflatten(flat)).keys() == flat.keys()
     x = torch.randn(5, 3)
     with ms.inject(model, params):
         inside = model(x)
-    assert torch.equal(ms.call(model, params, x), inside)
+    expected = other(x)  # the module's own forward with those values
+    assert torch.equal(inside, expected) and torch.equal(ms.call(model, params, x), expected)
     old = ms.swap(model, params)
     ms.swap(model, old)
     ms.load(model, params, strict=True)

@@ -6,6 +6,7 @@ strategy for random module trees (depth, widths, buffers, ties).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.utils import parametrize
+
+import modstate as ms
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,24 @@ def module_trees(draw: st.DrawFn) -> tuple[Callable[[], nn.Module], int]:
         return Node(width, spec, [])
 
     return build, width
+
+
+# -- a reference that shares no code with modstate's swaps -----------------------------------------
+
+
+def forward_with(module: nn.Module, tree: Any, *args: Any) -> Any:
+    """``module``'s own forward on ``args`` with ``tree``'s values, loaded by ``load_state_dict``
+    into a deep copy: the reference for ``inject`` and ``call``, which share their swap code, so
+    that comparing them with each other could not catch a bug in it. ``tree`` gives every path
+    but the second path of a tie (a shared submodule), as ``extract`` does."""
+    reference = copy.deepcopy(module)
+    flat = ms.flatten(tree)
+    result = reference.load_state_dict(flat, strict=False)
+    slots = reference.state_dict(keep_vars=True)
+    loaded = {id(slots[path]) for path in flat}
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert all(id(slots[path]) in loaded for path in result.missing_keys), result.missing_keys
+    return reference(*args)
 
 
 # -- checking that a module was left exactly as it was ---------------------------------------------

@@ -54,7 +54,9 @@ def saved(tmp_path):
 def test_mmap_tensors_are_backed_by_the_file_and_equal_a_plain_load(saved):
     path, _ = saved
     mapped, plain = checkpoint.load(path, mmap=True), checkpoint.load(path)
-    for (key, leaf), other in zip(ms.flatten(mapped).items(), ms.flatten(plain).values()):
+    for (key, leaf), other in zip(
+        ms.flatten(mapped).items(), ms.flatten(plain).values(), strict=True
+    ):
         assert backed_by(leaf, path), key
         assert not backed_by(other, path), key  # a plain load owns its memory
         assert leaf.dtype == other.dtype and torch.equal(leaf, other), key

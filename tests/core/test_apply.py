@@ -64,7 +64,8 @@ def test_unchanged_leaves_come_back_as_the_same_objects():
     params, state = ms.split(model, detach=True)
     _, new_state = ms.apply(model, params, state, torch.randn(8, 3))
     assert all(
-        new is old for new, old in zip(ms.flatten(new_state).values(), ms.flatten(state).values())
+        new is old
+        for new, old in zip(ms.flatten(new_state).values(), ms.flatten(state).values(), strict=True)
     )
 
 
@@ -177,7 +178,9 @@ def test_vmap_keeps_per_member_statistics():
         assert_close = [
             torch.allclose(a, b, atol=1e-6)
             for a, b in zip(
-                ms.flatten(member_state).values(), ms.flatten(ms.split(reference)[1]).values()
+                ms.flatten(member_state).values(),
+                ms.flatten(ms.split(reference)[1]).values(),
+                strict=True,
             )
         ]
         assert all(assert_close)

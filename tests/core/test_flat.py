@@ -61,7 +61,7 @@ def test_a_flat_state_dict_is_a_tree_a_dotted_key_is_the_path_it_spells():
 
 
 def test_a_path_given_both_flat_and_nested_is_refused_naming_it():
-    from zoo import assert_unchanged, snapshot
+    from zoo import assert_unchanged, forward_with, snapshot
 
     model = bn_model()
     tree = ms.extract(model, copy=True)
@@ -80,6 +80,8 @@ def test_a_path_given_both_flat_and_nested_is_refused_naming_it():
         ms.flatten(tree)
     assert_unchanged(model, before)
     del tree["0"]["weight"]  # the fix: each path once
-    assert torch.equal(
-        ms.call(model, tree, torch.ones(1, 3)), ms.call_partial(model, tree, torch.ones(1, 3))
-    )
+    x = torch.ones(1, 3)
+    expected = forward_with(model, tree, x)  # the zeroed weight is the one used
+    assert torch.equal(ms.call(model, tree, x), expected)
+    assert torch.equal(ms.call_partial(model, tree, x), expected)
+    assert not torch.equal(model(x), expected)

@@ -70,7 +70,9 @@ def test_return_order_argnums_and_has_aux_follow_torch_func():
         theirs = torch.func.grad_and_value(f, argnums=argnums, has_aux=True)(x, y, scale=2.0)
         assert type(ours[0]) is type(theirs[0])
         for a, b in zip(
-            torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(theirs)
+            torch.utils._pytree.tree_leaves(ours),
+            torch.utils._pytree.tree_leaves(theirs),
+            strict=True,
         ):
             assert torch.equal(a, b)
     grads, aux = ms.grad(f, argnums=(0, 1), has_aux=True)(x, y)

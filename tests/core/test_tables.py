@@ -63,7 +63,7 @@ def test_pickle_torch_save_and_deepcopy_give_plain_modules():
         assert all(type(sub._parameters) is dict for sub in twin.modules())
         assert all(type(sub._buffers) is dict for sub in twin.modules())
         assert torch.equal(twin(X), expected)
-        assert all(a is not b for a, b in zip(own(twin).values(), own(m).values()))
+        assert all(a is not b for a, b in zip(own(twin).values(), own(m).values(), strict=True))
     buffer = io.BytesIO()
     torch.save(m.state_dict(), buffer)
     buffer.seek(0)
@@ -122,6 +122,7 @@ def test_while_another_thread_is_inside_a_call_this_one_sees_the_modules_own():
     with paused_inside_a_call(m, tree) as result:
         assert all(v is objects[k] for k, v in m.state_dict(keep_vars=True).items())
         assert all(v is objects[k] for k, v in own(m).items())
+        assert ms.flatten(ms.extract(m)).keys() == objects.keys()
         assert all(v is objects[k] for k, v in ms.flatten(ms.extract(m)).items())
         assert m[0].weight is objects["0.weight"]
         assert torch.equal(m(X), expected)
@@ -152,8 +153,10 @@ def test_inside_a_call_the_calling_thread_sees_the_calls_tree():
     handle.remove()
     assert seen["weight"] is flat["0.weight"]
     assert all(seen["state_dict"][k] is v for k, v in flat.items())
+    assert seen["parameters"].keys() == dict(m.named_parameters()).keys()
     assert all(seen["parameters"][k] is flat[k] for k in seen["parameters"])
     assert all(seen["extract"][k] is v for k, v in flat.items())
+    assert ms.flatten(ms.extract(m)).keys() == own(m).keys()
     assert all(v is own(m)[k] for k, v in ms.flatten(ms.extract(m)).items())
 
 

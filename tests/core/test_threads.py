@@ -18,6 +18,8 @@ from torch import nn
 
 import modstate as ms
 
+from zoo import forward_with
+
 THREADS = 4
 CALLS = 200
 
@@ -149,14 +151,18 @@ def test_apply_in_train_mode_returns_each_calls_own_statistics():
         for _ in range(CALLS):
             out, new_state = ms.apply(model, *halves[i], inputs[i])
             same = torch.equal(out, expected[i][0]) and all(
-                torch.equal(a, b) for a, b in zip(leaves(new_state), leaves(expected[i][1]))
+                torch.equal(a, b)
+                for a, b in zip(leaves(new_state), leaves(expected[i][1]), strict=True)
             )
             wrong += not same
         return wrong
 
     assert run_together(work) == [0] * THREADS
     assert_holds(model, objects)
-    assert all(torch.equal(a, b) for a, b in zip(leaves(ms.split(model)[1]), leaves(statistics)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(leaves(ms.split(model)[1]), leaves(statistics), strict=True)
+    )
 
 
 def test_in_place_statistics_land_in_each_calls_tree():
@@ -177,7 +183,7 @@ def test_in_place_statistics_land_in_each_calls_tree():
         return 0
 
     run_together(work)
-    for tree, reference in zip(trees, references):
+    for tree, reference in zip(trees, references, strict=True):
         assert int(tree["1"]["num_batches_tracked"]) == calls
         assert torch.equal(tree["1"]["running_mean"], reference["1"]["running_mean"])
         assert torch.equal(tree["1"]["running_var"], reference["1"]["running_var"])
@@ -281,7 +287,9 @@ def test_grad_through_call():
         wrong = 0
         for _ in range(CALLS // 4):
             grads = torch.func.grad(loss)(trees[i])
-            wrong += not all(torch.equal(a, b) for a, b in zip(leaves(grads), leaves(expected[i])))
+            wrong += not all(
+                torch.equal(a, b) for a, b in zip(leaves(grads), leaves(expected[i]), strict=True)
+            )
         return wrong
 
     assert run_together(work) == [0] * THREADS
@@ -312,12 +320,13 @@ def test_backward_through_call():
             if i == 3:  # plain training step meanwhile: grads into the module's own parameters
                 model(X).square().sum().backward()
                 wrong += not all(
-                    torch.equal(p.grad, g) for p, g in zip(model.parameters(), own_grads)
+                    torch.equal(p.grad, g)
+                    for p, g in zip(model.parameters(), own_grads, strict=True)
                 )
                 model.zero_grad(set_to_none=True)
             else:
                 grads = grads_of(trees[i])
-                wrong += not all(torch.equal(a, b) for a, b in zip(grads, expected[i]))
+                wrong += not all(torch.equal(a, b) for a, b in zip(grads, expected[i], strict=True))
         return wrong
 
     assert run_together(work) == [0] * THREADS
@@ -331,10 +340,10 @@ def test_a_call_while_another_thread_holds_inject_open():
     objects = own_objects(model)
     tree_a, tree_b = random_tree(model, 1), random_tree(model, 2)
     partial_a = {"4": tree_a["4"]}
-    with torch.no_grad():
-        expected_a = ms.call(model, tree_a, X)
-        expected_b = ms.call(model, tree_b, X)
-        expected_mix = ms.call(model, {**tree_b, "4": tree_a["4"]}, X)
+    with torch.no_grad():  # the module's own forward with each tree loaded
+        expected_a = forward_with(model, tree_a, X)
+        expected_b = forward_with(model, tree_b, X)
+        expected_mix = forward_with(model, {**tree_b, "4": tree_a["4"]}, X)
     injected, done = threading.Event(), threading.Event()
     wrong = {"a": 0, "a partial": 0, "c": 0}
     seen: dict[str, dict[str, torch.Tensor]] = {}
@@ -367,6 +376,7 @@ def test_a_call_while_another_thread_holds_inject_open():
     done.set()
     threads[0].join()
     assert wrong == {"a": 0, "a partial": 0, "c": 0}
+    assert seen["extract"].keys() == ms.flatten(tree_b).keys()
     assert all(v is ms.flatten(tree_b)[k] for k, v in seen["extract"].items())
     assert_holds(model, objects)
 

@@ -74,7 +74,7 @@ def primed_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
     optimizer.zero_grad()
-    for group, lr in zip(optimizer.param_groups, learning_rates):
+    for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
         group["lr"] = lr
     return ms.optim.optimizer_state(optimizer, model)
 

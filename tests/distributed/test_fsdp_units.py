@@ -34,6 +34,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import modstate as ms
 import modstate.tree  # ms.tree
 
+from zoo import forward_with
+
 pytestmark = pytest.mark.distributed
 
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
@@ -119,7 +121,7 @@ def one_unit_at_a_time(rank: int, world_size: int, directory: str) -> list[str]:
     fully_shard(model, mesh=mesh)
     tree = ms.tree.map(lambda t: t.detach() * 0.5, ms.extract(model))
     x = batch(1)
-    want = ms.call(reference, full(tree), x)
+    want = forward_with(reference, full(tree), x)
     probe = Probe(list(model))
     fates = []
 
@@ -154,7 +156,7 @@ def one_unit_at_a_time(rank: int, world_size: int, directory: str) -> list[str]:
     # released, until the backward gathers them again.
     assert fates == [{"gone"}, {"gone"}, {"released"}, {"released"}], fates
     with torch.no_grad():  # the module's own forward is FSDP's, as before
-        assert close(model(x), ms.call(reference, full(ms.extract(model)), x))
+        assert close(model(x), forward_with(reference, full(ms.extract(model)), x))
     model.reshard()
     return ["gone", "released"]
 
@@ -227,7 +229,7 @@ def fsdp_over_tensor_parallel(rank: int, world_size: int, directory: str) -> lis
         model, reference = two_dimensional(0, mesh)
         x = batch(3, width=4)
         changed = ms.tree.map(lambda t: t.detach() * 1.5 + 0.25, ms.extract(model))
-        want = ms.call(reference, full(changed), x)
+        want = forward_with(reference, full(changed), x)
         assert close(ms.call(model, changed, x), want), shape
 
         def loss(params: dict, module: nn.Module, x: torch.Tensor = x) -> torch.Tensor:
@@ -307,7 +309,7 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
     def loss(params: dict, module: nn.Module) -> torch.Tensor:
         return ms.call(module, params, x).pow(2).sum()
 
-    assert close(ms.call(model, tree, x), ms.call(reference, full(tree), x))
+    assert close(ms.call(model, tree, x), forward_with(reference, full(tree), x))
     want_grads = torch.func.grad(loss)(full(tree), reference)
     assert same_grads(torch.func.grad(loss)(tree, model), want_grads, tree)
     leaves = ms.tree.map(lambda t: t.detach().requires_grad_(), tree)
@@ -317,7 +319,7 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
     # call_partial: the paths a tree leaves out keep the module's own (gathered with their unit).
     part = {"transposed": tree["transposed"]}
     merged = {**full(ms.extract(model)), "transposed": full(part)["transposed"]}
-    assert close(ms.call_partial(model, part, x), ms.call(reference, merged, x))
+    assert close(ms.call_partial(model, part, x), forward_with(reference, merged, x))
 
     # A tree changed in place between the forward and the backward is refused (the backward
     # gathers it again); changing it after the backward is the fix.
@@ -356,7 +358,7 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
             for leaf in ms.flatten(params).values()
         ]
 
-    for got, wanted in zip(penalized(tree, model), penalized(full(tree), reference)):
+    for got, wanted in zip(penalized(tree, model), penalized(full(tree), reference), strict=True):
         assert close(got, wanted)
 
     # torch.func.grad of vmap_call over a stack of trees; vmap of grad is refused, naming it.
@@ -376,7 +378,7 @@ def edge_cases(rank: int, world_size: int, directory: str) -> str:
     with torch.no_grad():
         own = model(x)
     model.reshard()
-    assert close(own, ms.call(reference, full(ms.extract(model)), x))
+    assert close(own, forward_with(reference, full(ms.extract(model)), x))
     return "ok"
 
 

@@ -170,7 +170,7 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
             loss = loss_of(ms.call(module, {"stacked": leaves}, x), y)
             paths = list(ms.flatten(leaves))
             grads = torch.autograd.grad(loss, list(ms.flatten(leaves).values()))
-            grads = ms.unflatten(dict(zip(paths, grads)))
+            grads = ms.unflatten(dict(zip(paths, grads, strict=True)))
             trees[key], states[key] = optimizer.step(trees[key], grads, states[key])
     for leaf in ms.flatten(trees["mesh"]).values():
         assert isinstance(leaf, DTensor) and leaf.placements == (Shard(0),)

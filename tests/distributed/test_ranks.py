@@ -32,10 +32,12 @@ def rank_one_never_finishes(rank: int, world_size: int) -> int:
 
 
 def test_a_failing_rank_is_reported_and_the_blocked_ranks_are_stopped():
-    started = time.monotonic()
-    with pytest.raises(RankFailed, match=r"rank 1 of 3 failed:(.|\n)*rank one gives up"):
+    # The report opens with the failing rank, the cause (the others may follow, their barrier
+    # broken), ...
+    with pytest.raises(RankFailed, match=r"^rank 1 of 3 failed:(.|\n)*rank one gives up") as info:
         run_ranks(rank_one_fails_while_the_others_wait, 3, timeout=60)
-    assert time.monotonic() - started < 60  # not a timeout: the failure ended it
+    # ... and no timeout appears, run_ranks' own or gloo's in a blocked rank: the failure ended it.
+    assert "timed out" not in str(info.value).lower()
     assert multiprocessing.active_children() == []  # rank 0 and 2 were stopped
 
 

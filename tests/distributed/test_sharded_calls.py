@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import modstate as ms
 import modstate.tree  # ms.tree
 
+from zoo import forward_with
+
 pytestmark = pytest.mark.distributed
 
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
@@ -128,7 +130,7 @@ def check_layout(name: str, build, mesh) -> None:
     fresh_tree = perturbed(ms.extract(sharded))
     x = batch(1)
     out = ms.call(sharded, fresh_tree, x)
-    assert close(out, ms.call(reference, full(fresh_tree), x)), name
+    assert close(out, forward_with(reference, full(fresh_tree), x)), name
     sgd_step(sharded, batch(2))
     sgd_step(reference, batch(2))
 
@@ -139,7 +141,7 @@ def check_layout(name: str, build, mesh) -> None:
     flags = [p.requires_grad for p in sharded.parameters()]
     assert close(local_output(sharded, x), reference(x)), name
     changed = perturbed(tree)
-    want = ms.call(reference, full(changed), x)
+    want = forward_with(reference, full(changed), x)
     assert not close(want, reference(x))  # the check below can fail
     assert close(ms.call(sharded, changed, x), want), name
     with ms.inject(sharded, changed):
@@ -151,6 +153,7 @@ def check_layout(name: str, build, mesh) -> None:
 
     grads = torch.func.grad(loss)(changed, sharded, x)
     want_grads = torch.func.grad(loss)(full(changed), reference, x)
+    assert ms.flatten(grads).keys() == ms.flatten(changed).keys(), name
     for path, g in ms.flatten(grads).items():
         leaf = ms.flatten(changed)[path]
         assert isinstance(g, DTensor), (name, path)
@@ -167,10 +170,12 @@ def check_layout(name: str, build, mesh) -> None:
     other = ms.tree.map(lambda t: t * 0.5, changed)
     stacked_out = ms.vmap_call(sharded, ms.stack([changed, other]), x)
     assert close(stacked_out[0], want), name
-    assert close(stacked_out[1], ms.call(reference, full(other), x)), name
+    assert close(stacked_out[1], forward_with(reference, full(other), x)), name
 
     # The module is left exactly as it was, and trains on as before.
-    assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects)), name
+    assert all(
+        a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+    ), name
     assert hook_tables(sharded) == hooks, name
     assert [p.requires_grad for p in sharded.parameters()] == flags, name
     sgd_step(sharded, batch(3))
@@ -217,8 +222,10 @@ def check_layout(name: str, build, mesh) -> None:
     ms.load(sharded, changed)
     assert close(local_output(sharded, x), want), name
     ms.load(sharded, full(other))
-    assert close(local_output(sharded, x), ms.call(reference, full(other), x)), name
-    assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects)), name
+    assert close(local_output(sharded, x), forward_with(reference, full(other), x)), name
+    assert all(
+        a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+    ), name
     ms.load(reference, full(other))
     if name == "fsdp2 root only":
         # A root keeps its parameters gathered after a forward without backward: FSDP reshards
@@ -245,14 +252,18 @@ def check_layout(name: str, build, mesh) -> None:
             assert "FSDP2" in str(error) and "ms.load" in str(error), error
         else:
             raise AssertionError(f"{name}: swap on FSDP-owned parameters was accepted")
-        assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
+        assert all(
+            a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+        )
         ms.load(sharded, changed)  # the fix the message names
         assert close(local_output(sharded, x), want), name
     else:
         old = ms.swap(sharded, ms.tree.map(nn.Parameter, changed))
-        assert close(local_output(sharded, x), ms.call(reference, full(changed), x)), name
+        assert close(local_output(sharded, x), forward_with(reference, full(changed), x)), name
         ms.swap(sharded, old)
-        assert all(a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects))
+        assert all(
+            a is b for a, b in zip(ms.flatten(ms.extract(sharded)).values(), objects, strict=True)
+        )
 
 
 def with_batchnorm(seed: int) -> nn.Sequential:
@@ -279,6 +290,7 @@ def check_apply_in_train_mode(mesh) -> None:
 
     grads, new_state = torch.func.grad(loss, has_aux=True)(params, state, sharded)
     want_grads, want_state = torch.func.grad(loss, has_aux=True)(full(params), state, reference)
+    assert ms.flatten(grads).keys() == ms.flatten(params).keys()
     for path, g in ms.flatten(grads).items():
         assert g.placements == ms.flatten(params)[path].placements, path
         assert close(g.full_tensor(), ms.flatten(want_grads)[path]), path

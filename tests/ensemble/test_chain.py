@@ -112,7 +112,7 @@ def test_ensemble_equals_the_loop_and_the_vmap_path_with_the_same_gradients(laye
         torch.testing.assert_close(grad, reference_grads[name], atol=ATOL, rtol=0, msg=name)
     for name, buffer in fast.named_buffers():
         torch.testing.assert_close(buffer, reference.get_buffer(name), msg=name)
-    for model, then in zip(models, before):
+    for model, then in zip(models, before, strict=True):
         assert_unchanged(model, then)
     summary = fast.plan.summary
     assert ("without vmap" in summary) == (layer not in NOT_CHAINED), summary

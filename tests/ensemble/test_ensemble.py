@@ -145,7 +145,7 @@ def test_ensemble_leaves_the_models_alone_and_train_eval_reach_every_layer():
     before = [snapshot(m) for m in models]
     ensemble = ms.Ensemble(models)
     ensemble(torch.randn(2, 3, 8, 8)).sum().backward()
-    for model, then in zip(models, before):
+    for model, then in zip(models, before, strict=True):
         assert_unchanged(model, then)
         assert all(p.grad is None for p in model.parameters())
     assert ensemble.eval().member(0)[1].training is False

@@ -23,7 +23,7 @@ def test_the_global_seed_decides_every_member():
     first = ms.Ensemble.from_factory(factory, 4)
     torch.manual_seed(7)
     again = ms.Ensemble.from_factory(factory, 4)
-    for a, b in zip(first.parameters(), again.parameters()):
+    for a, b in zip(first.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -42,6 +42,11 @@ def test_member_i_does_not_depend_on_how_many_members_are_built():
     three = ms.Ensemble.from_factory(factory, 3)
     torch.manual_seed(7)
     five = ms.Ensemble.from_factory(factory, 5)
+    assert (
+        ms.flatten(three.tree()).keys()
+        == ms.flatten(five.tree()).keys()
+        == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    )
     for path, leaf in ms.flatten(three.tree()).items():
         assert torch.equal(leaf, ms.flatten(five.tree())[path][:3]), path
 

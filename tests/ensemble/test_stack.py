@@ -45,7 +45,7 @@ def test_stack_keeps_ties_and_unstack_gives_the_trees_back():
     assert stacked["a"]["w"] is stacked["b"]["w"]
     members = ms.unstack(stacked)
     assert len(members) == 4
-    for tree, member in zip(trees, members):
+    for tree, member in zip(trees, members, strict=True):
         assert member["a"]["w"] is member["b"]["w"]
         assert torch.equal(member["a"]["w"], tree["a"]["w"])
         assert torch.equal(member["b"]["b"], tree["b"]["b"])
@@ -69,7 +69,7 @@ def test_unstack_inverts_stack(count, shapes):
     assert all(leaf.shape[0] == count for leaf in ms.flatten(stacked).values())
     back = ms.unstack(stacked)
     assert [ms.flatten(t).keys() for t in back] == [f.keys() for f in flats]
-    for flat, member in zip(flats, back):
+    for flat, member in zip(flats, back, strict=True):
         for path, leaf in ms.flatten(member).items():
             assert torch.equal(leaf, flat[path])
 

@@ -26,15 +26,16 @@ def test_equal_to_clip_grad_norm_(norm_type, scale, dtype):
     grads = make_grads(scale, dtype)
     before = ms.tree.clone(grads)
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ms.flatten(grads).values()]
-    for param, grad in zip(params, ms.flatten(grads).values()):
+    for param, grad in zip(params, ms.flatten(grads).values(), strict=True):
         param.grad = grad.clone()
     expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type)
     clipped, norm = optim.clip_grad_norm(grads, max_norm=1.0, norm_type=norm_type)
     assert torch.equal(norm, expected_norm)
-    for ours, param in zip(ms.flatten(clipped).values(), params):
+    for ours, param in zip(ms.flatten(clipped).values(), params, strict=True):
         assert torch.equal(ours, param.grad)
     assert all(
-        torch.equal(a, b) for a, b in zip(ms.flatten(grads).values(), ms.flatten(before).values())
+        torch.equal(a, b)
+        for a, b in zip(ms.flatten(grads).values(), ms.flatten(before).values(), strict=True)
     )
 
 

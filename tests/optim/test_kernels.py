@@ -44,12 +44,12 @@ def test_each_flag_gives_torch_optims_numbers_for_that_flag(
     generator = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         grads = gradients(pure, generator, step)
-        for param, grad in zip(torch_params, leaves(grads)):
+        for param, grad in zip(torch_params, leaves(grads), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
         pure, pure_state = opt.step(pure, grads, pure_state)
         donated, donated_state = opt.step(donated, grads, donated_state, donate=True)
-        for ours, again, theirs in zip(leaves(pure), leaves(donated), torch_params):
+        for ours, again, theirs in zip(leaves(pure), leaves(donated), torch_params, strict=True):
             assert torch.equal(ours, theirs.detach()), f"{name} {flags} differs at step {step + 1}"
             assert torch.equal(again, theirs.detach()), f"donated, at step {step + 1}"
 
@@ -64,7 +64,10 @@ def test_a_pure_fused_step_writes_no_input(name):
     inputs = leaves(params) + leaves(grads) + leaves(state)
     before = [(t.clone(), t._version) for t in inputs]
     new_params, new_state = opt.step(params, grads, state)
-    assert all(torch.equal(t, copy) and t._version == v for t, (copy, v) in zip(inputs, before))
+    assert all(
+        torch.equal(t, copy) and t._version == v
+        for t, (copy, v) in zip(inputs, before, strict=True)
+    )
     outputs = leaves(new_params) + leaves(new_state)
     assert not {t.data_ptr() for t in outputs} & {t.data_ptr() for t in inputs}
     # ... and a donated one reuses them, as torch.optim steps in place.
@@ -72,7 +75,7 @@ def test_a_pure_fused_step_writes_no_input(name):
     assert {t.data_ptr() for t in leaves(donated_params) + leaves(donated_state)} <= {
         t.data_ptr() for t in leaves(params) + leaves(state)
     }
-    for a, b in zip(leaves(new_params), leaves(donated_params)):
+    for a, b in zip(leaves(new_params), leaves(donated_params), strict=True):
         assert torch.equal(a, b)
 
 
@@ -91,11 +94,11 @@ def test_leaves_of_several_dtypes_are_stepped_group_by_group_as_torch_groups_the
         grads = ms.tree.map(
             lambda p: torch.randn(p.shape, generator=generator, dtype=p.dtype), params
         )
-        for param, grad in zip(torch_params, grads.values()):
+        for param, grad in zip(torch_params, grads.values(), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
         params, state = opt.step(params, grads, state)
-    for ours, theirs in zip(params.values(), torch_params):
+    for ours, theirs in zip(params.values(), torch_params, strict=True):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs.detach())
 
 
@@ -112,7 +115,7 @@ def test_a_differentiated_step_runs_the_differentiable_path_whatever_the_flags(f
     recorded = ms.tree.map(lambda p: p.clone().requires_grad_(), params)
     got, _ = opt.step(recorded, grads, opt.init(recorded))
     assert got["head"]["weight"].grad_fn is not None  # autograd saw the step
-    for a, b in zip(leaves(got), leaves(want)):
+    for a, b in zip(leaves(got), leaves(want), strict=True):
         assert torch.equal(a.detach(), b)
     lr = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
     learnable = optim.adam(lr=lr, **flags)
@@ -141,7 +144,7 @@ def test_vmap_over_a_fused_optimizer_gives_per_member_numbers(name):
             alone, alone_state = opt.step(
                 alone, ms.tree.map(lambda g, m=m: g[m], grads), alone_state
             )
-        for a, b in zip(leaves(alone), leaves(params)):
+        for a, b in zip(leaves(alone), leaves(params), strict=True):
             # The member alone ran the fused kernel, the vmapped step the differentiable path:
             # different roundings of the same update.
             torch.testing.assert_close(b[m], a, rtol=1e-12, atol=1e-12)
@@ -181,7 +184,7 @@ def test_the_default_is_torchs_default_for_the_device():
             p, s = opt.step(p, grads, s)
         results.append(leaves(p))
     for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["", "donate"])
@@ -200,7 +203,7 @@ def test_fused_steps_take_gradients_in_any_memory_layout(name, donate):
     want, want_state = opt.step(params, contiguous, opt.init(params))
     got, got_state = opt.step(ms.tree.clone(params), transposed, opt.init(params), donate=donate)
     assert torch.equal(got["w"], want["w"])
-    for a, b in zip(leaves(got_state), leaves(want_state)):
+    for a, b in zip(leaves(got_state), leaves(want_state), strict=True):
         assert torch.equal(a, b)
 
 
@@ -221,11 +224,11 @@ def test_large_trees_stepped_chunk_by_chunk_keep_torchs_numbers(
     pure_state, donated_state = opt.init(pure), opt.init(donated)
     for step in range(4):
         grads = ms.tree.map(lambda p: torch.randn(p.shape, generator=generator), pure)
-        for param, grad in zip(torch_params, grads.values()):
+        for param, grad in zip(torch_params, grads.values(), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
         pure, pure_state = opt.step(pure, grads, pure_state)
         donated, donated_state = opt.step(donated, grads, donated_state, donate=True)
-        for ours, again, theirs in zip(pure.values(), donated.values(), torch_params):
+        for ours, again, theirs in zip(pure.values(), donated.values(), torch_params, strict=True):
             assert torch.equal(ours, theirs.detach()), f"{name} differs at step {step + 1}"
             assert torch.equal(again, theirs.detach()), f"donated, at step {step + 1}"

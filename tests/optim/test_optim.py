@@ -44,7 +44,7 @@ def run_both(torch_factory, opt, *, steps: int = STEPS, dtype: torch.dtype = tor
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         grads = grads_like(params, generator)
-        for param, grad in zip(torch_params, optree.tree_leaves(grads)):
+        for param, grad in zip(torch_params, optree.tree_leaves(grads), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
         params, state = opt.step(params, grads, state)
@@ -53,7 +53,7 @@ def run_both(torch_factory, opt, *, steps: int = STEPS, dtype: torch.dtype = tor
 
 def assert_matches_torch(torch_factory, opt, **kwargs) -> None:
     ours, theirs, _ = run_both(torch_factory, opt, **kwargs)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -209,7 +209,7 @@ def snapshot(*trees):
 
 def assert_untouched(snap) -> None:
     leaves, copies, versions = snap
-    for leaf, copied, version in zip(leaves, copies, versions):
+    for leaf, copied, version in zip(leaves, copies, versions, strict=True):
         assert torch.equal(leaf, copied)
         assert leaf._version == version
 
@@ -237,7 +237,9 @@ def test_step_mutates_no_input(opt, recording):
     snap = snapshot(params, grads, state)
     new_params, _ = opt.step(params, grads, state)
     assert_untouched(snap)
-    assert not any(a is b for a, b in zip(optree.tree_leaves(new_params), snap[0]))
+    inputs = {id(leaf) for leaf in snap[0]}
+    assert optree.tree_structure(new_params) == optree.tree_structure(params)
+    assert not any(id(leaf) in inputs for leaf in optree.tree_leaves(new_params))
 
 
 def test_foreach_and_per_leaf_paths_agree():
@@ -252,7 +254,9 @@ def test_foreach_and_per_leaf_paths_agree():
             recorded, recorded_state = opt.step(recorded, grads, recorded_state)
         assert recorded["head"]["weight"].grad_fn is not None
         for a, b in zip(
-            optree.tree_leaves((params, state)), optree.tree_leaves((recorded, recorded_state))
+            optree.tree_leaves((params, state)),
+            optree.tree_leaves((recorded, recorded_state)),
+            strict=True,
         ):
             assert torch.equal(a, b.detach())  # on CPU the _foreach_ kernels loop the same ops
 
@@ -273,7 +277,10 @@ def test_none_gradient_leaves_a_leaf_and_its_state_alone():
 
     no_grads = optree.tree_map(lambda _: None, params)
     new_params, new_state = opt.step(params, no_grads, state)
-    assert all(a is b for a, b in zip(optree.tree_leaves(new_params), optree.tree_leaves(params)))
+    assert all(
+        a is b
+        for a, b in zip(optree.tree_leaves(new_params), optree.tree_leaves(params), strict=True)
+    )
     assert new_state["step"].item() == 4
 
 
@@ -289,12 +296,12 @@ def test_frozen_leaves_match_torch_skipping_them():
         grads = grads_like(params, generator)
         grads["encoder"]["bias"] = None  # sorted leaf order: encoder.bias is leaf 0
         for i, (param, grad) in enumerate(
-            zip(torch_params, optree.tree_leaves(grads, none_is_leaf=True))
+            zip(torch_params, optree.tree_leaves(grads, none_is_leaf=True), strict=True)
         ):
             param.grad = None if i == 0 else grad.clone()
         torch_opt.step()
         params, state = opt.step(params, grads, state)
-    for a, b in zip(optree.tree_leaves(params), torch_params):
+    for a, b in zip(optree.tree_leaves(params), torch_params, strict=True):
         torch.testing.assert_close(a, b.detach())
 
 
@@ -375,7 +382,7 @@ def test_tensor_hyperparameters_give_the_numbers_of_plain_ones():
         grads = grads_like(a, generator)
         a, sa = plain.step(a, grads, sa)
         b, sb = tensors.step(b, grads, sb)
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
@@ -394,7 +401,7 @@ def test_tensor_sgd_hyperparameters_give_the_numbers_of_plain_ones():
         grads = grads_like(a, generator)
         a, sa = plain.step(a, grads, sa)
         b, sb = tensors.step(b, grads, sb)
-    for x, y in zip(optree.tree_leaves((a, sa)), optree.tree_leaves((b, sb))):
+    for x, y in zip(optree.tree_leaves((a, sa)), optree.tree_leaves((b, sb)), strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
@@ -460,7 +467,7 @@ def test_vmapped_steps_with_per_member_learning_rates_match_a_loop(factory):
         params, member_state = members[i], opt.init(members[i])
         for step_grads in grads:
             params, member_state = opt.step(params, step_grads[i], member_state)
-        for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(stacked)):
+        for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(stacked), strict=True):
             torch.testing.assert_close(b[i], a, atol=1e-6, rtol=1e-5)
 
 
@@ -620,7 +627,7 @@ def test_loaded_state_makes_the_next_step_identical(kind):
     for m, o in ((model, opt), (fresh, fresh_opt)):
         backward(m, 10)
         o.step()
-    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert (
         ms.flatten(optim.optimizer_state(opt, model)["state"]).keys()
@@ -815,7 +822,7 @@ def test_a_tie_with_one_gradient_object_at_both_paths_is_stepped_once():
     params = ms.tree.map(torch.Tensor.requires_grad_, ms.split(lm, detach=True)[0])
     leaves = list(ms.flatten(params).values())
     gradients = torch.autograd.grad(ms.call(lm, params, TOKENS).sum(), leaves)
-    grads = ms.unflatten(dict(zip(ms.flatten(params), gradients)))
+    grads = ms.unflatten(dict(zip(ms.flatten(params), gradients, strict=True)))
     with torch.no_grad():
         new, _ = optim.sgd(lr=0.5).step(params, grads, optim.sgd(lr=0.5).init(params))
     expected = params["embed"]["weight"] - 0.5 * grads["embed"]["weight"]

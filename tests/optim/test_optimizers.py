@@ -107,11 +107,11 @@ def test_equal_to_torch_optim_after_every_step(name, factory, torch_class, optio
     generator = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         grads = gradients(params, generator, step)
-        for param, grad in zip(torch_params, leaves(grads)):
+        for param, grad in zip(torch_params, leaves(grads), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
         params, state = opt.step(params, grads, state, donate=donate)
-        for ours, theirs in zip(leaves(params), torch_params):
+        for ours, theirs in zip(leaves(params), torch_params, strict=True):
             assert torch.equal(ours, theirs.detach()), f"{name} differs at step {step + 1}"
 
 
@@ -127,7 +127,7 @@ def test_autograd_path_gives_the_same_numbers(name, factory, torch_class, option
         eager, eager_state = opt.step(eager, grads, eager_state)
         functional = ms.tree.map(lambda p: p.detach().requires_grad_(), functional)
         functional, functional_state = opt.step(functional, grads, functional_state)
-    for a, b in zip(leaves(eager), leaves(functional)):
+    for a, b in zip(leaves(eager), leaves(functional), strict=True):
         assert torch.equal(a, b.detach())
 
 
@@ -142,8 +142,8 @@ def test_step_changes_no_input(name, factory, torch_class, options):
     before = [t.clone() for t in leaves(params) + leaves(grads) + leaves(state)]
     new_params, _ = opt.step(params, grads, state)
     after = leaves(params) + leaves(grads) + leaves(state)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert not any(n is p for n, p in zip(leaves(new_params), leaves(params)))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert not any(n is p for n, p in zip(leaves(new_params), leaves(params), strict=True))
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
@@ -155,6 +155,7 @@ def test_donate_reuses_the_buffers_of_params_and_state(name):
     storages = {t.data_ptr() for t in leaves(params) + leaves(state)}
     new_params, new_state = opt.step(params, grads, state, donate=True)
     outputs = leaves(new_params) + leaves(new_state)
+    assert len(outputs) == len(leaves(params)) + len(leaves(state))
     assert all(t.data_ptr() in storages for t in outputs)
 
 
@@ -302,7 +303,7 @@ def test_vmapped_members_step_as_separate_optimizers(name, factory, torch_class,
             alone, alone_state = opt.step(
                 alone, ms.tree.map(lambda g, m=m: g[m], grads), alone_state
             )
-        for a, b in zip(leaves(alone), leaves(params)):
+        for a, b in zip(leaves(alone), leaves(params), strict=True):
             # Same ops; the CPU kernels may round the last element of a vector chunk apart.
             eps = torch.finfo(dtype).eps
             torch.testing.assert_close(a, b[m], rtol=4 * eps, atol=4 * eps * a.abs().max())
@@ -350,12 +351,14 @@ def test_a_schedule_as_lr_matches_torch_with_its_scheduler():
     generator = torch.Generator().manual_seed(1)
     for step in range(40):
         grads = gradients(params, generator, step)
-        for param, grad in zip(torch_params, leaves(grads)):
+        for param, grad in zip(torch_params, leaves(grads), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
         scheduler.step()
         params, state = opt.step(params, grads, state)
-        assert all(torch.equal(a, b.detach()) for a, b in zip(leaves(params), torch_params))
+        assert all(
+            torch.equal(a, b.detach()) for a, b in zip(leaves(params), torch_params, strict=True)
+        )
 
 
 def test_a_schedule_runs_under_vmap_with_its_closed_form():

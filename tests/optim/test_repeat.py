@@ -55,7 +55,8 @@ def test_a_donated_loop_reuses_the_analysis_and_keeps_the_numbers(opt, monkeypat
         assert opt.__dict__.get("_repeat") is not None  # remembered for the next step
     assert reused == [True] * 4  # every step after the first reused the analysis
     assert all(
-        torch.equal(a, b) for a, b in zip(ms.flatten(params).values(), ms.flatten(want).values())
+        torch.equal(a, b)
+        for a, b in zip(ms.flatten(params).values(), ms.flatten(want).values(), strict=True)
     )
     assert int(state["step"]) == 5
 

@@ -26,7 +26,10 @@ def test_combine_undoes_partition_with_the_same_objects():
     trained, carried = ms.tree.partition(tree, ms.tree.is_trainable)
     combined = ms.tree.combine(trained, carried)
     assert list(ms.flatten(combined)) == list(ms.flatten(tree))
-    assert all(a is b for a, b in zip(ms.flatten(combined).values(), ms.flatten(tree).values()))
+    assert all(
+        a is b
+        for a, b in zip(ms.flatten(combined).values(), ms.flatten(tree).values(), strict=True)
+    )
 
 
 def test_partition_works_on_lists_and_tuples():

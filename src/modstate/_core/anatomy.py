@@ -174,7 +174,7 @@ class Anatomy:
         self.layout: tuple[list[tuple[int, str]], list[dict[int, Any]]] | None = None
         if self.layered:
             distinct = {id(t): t for t in self.tables}.values()
-            keys = [(t.tag, n) for t, n in zip(self.tables, self.names)]  # type: ignore[attr-defined]
+            keys = [(t.tag, n) for t, n in zip(self.tables, self.names, strict=True)]  # type: ignore[attr-defined]
             self.layout = (keys, [t.layers for t in distinct])  # type: ignore[attr-defined]
         self.buffer_positions = [i for i, slot in enumerate(self.ordered) if slot.is_buffer]
         position = {slot_index: pos for pos, slot_index in enumerate(order)}

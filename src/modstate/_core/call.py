@@ -171,7 +171,7 @@ def call_while_compiling(
     out = torch.func.functional_call(
         module, tuple(flats), args, kwargs, tie_weights=True, strict=strict
     )
-    for component, flat, before in zip(components, flats, given):
+    for component, flat, before in zip(components, flats, given, strict=True):
         changed = {key: value for key, value in flat.items() if value is not before[key]}
         if changed and isinstance(component, dict):
             write_back(component, unflatten(changed))

@@ -146,7 +146,7 @@ class Layout:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
-        positions: Any = unflatten(dict(zip(keys, range(len(keys)))))
+        positions: Any = unflatten(dict(zip(keys, range(len(keys)), strict=True)))
         order, self.treespec = optree.tree_flatten(positions)
         self.order: list[int] = list(order)
 

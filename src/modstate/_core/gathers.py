@@ -94,7 +94,7 @@ class Gathered:
         compute with other values than the forward did)."""
         if not self.is_freed():
             return
-        for source, seen in zip(self.sources, self._versions):
+        for source, seen in zip(self.sources, self._versions, strict=True):
             if _version_of(source) != seen:
                 raise RuntimeError(
                     "a DTensor of the tree given to a call on a sharded module was modified in "
@@ -122,7 +122,7 @@ class Gathered:
         """Each gradient of a full tensor as this rank's piece of it, a ``DTensor`` laid out like
         its source, in the source's dtype (through ``reduce_dtypes`` on the way)."""
         out: list[Any] = []
-        for grad, source, reduce_dtype in zip(grads, self.sources, self.reduce_dtypes):
+        for grad, source, reduce_dtype in zip(grads, self.sources, self.reduce_dtypes, strict=True):
             if grad is None:
                 out.append(None)
                 continue
@@ -161,7 +161,7 @@ def _fill(sources: list[Any], dtypes: list[Any], targets: list[Tensor] | None) -
         chosen = [sources[i] for i in indices]
         dtype = dtypes[indices[0]] or chosen[0].dtype
         outs = None if targets is None else [targets[i] for i in indices]
-        for i, full in zip(indices, _gather_rows(chosen, dtype, outs)):
+        for i, full in zip(indices, _gather_rows(chosen, dtype, outs), strict=True):
             fulls[i] = full
     return fulls
 
@@ -208,12 +208,12 @@ def _gather_rows(sources: list[Any], dtype: torch.dtype, outs: list[Tensor] | No
     mesh = sources[0].device_mesh
     ranks, rank = mesh.size(), mesh.get_local_rank(0)
     rows = [-(-s.shape[0] // ranks) for s in sources]  # rows per rank, as torch.chunk
-    widths = [count * _row_numel(s.shape) for count, s in zip(rows, sources)]
+    widths = [count * _row_numel(s.shape) for count, s in zip(rows, sources, strict=True)]
     span = sum(widths)
     receive = torch.empty(ranks * span, dtype=dtype, device=sources[0].device)
     mine = receive.narrow(0, rank * span, span)
     offset = 0
-    for source, width in zip(sources, widths):
+    for source, width in zip(sources, widths, strict=True):
         local = source.to_local()
         mine.narrow(0, offset, local.numel()).copy_(local.reshape(-1))
         offset += width
@@ -222,7 +222,7 @@ def _gather_rows(sources: list[Any], dtype: torch.dtype, outs: list[Tensor] | No
     block = receive.view(ranks, span)
     fulls = []
     offset = 0
-    for index, (source, count, width) in enumerate(zip(sources, rows, widths)):
+    for index, (source, count, width) in enumerate(zip(sources, rows, widths, strict=True)):
         full = (
             torch.empty(source.shape, dtype=dtype, device=source.device)
             if outs is None
@@ -284,7 +284,10 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], gathered: Gathered, *values: Any) -> Any:
         # A stacked tree: each stacked DTensor is gathered whole (member dim first).
-        moved = [v if d is None or d == 0 else v.movedim(d, 0) for v, d in zip(values, in_dims[1:])]
+        moved = [
+            v if d is None or d == 0 else v.movedim(d, 0)
+            for v, d in zip(values, in_dims[1:], strict=True)
+        ]
         outs = _Gather.apply(gathered, *moved)
         return outs, tuple(None if d is None else 0 for d in in_dims[1:])
 
@@ -315,7 +318,7 @@ def gathered(values: list[Any]) -> list[Any]:
     sources = list(distinct.values())
     count = len(sources)
     fulls = gather(Gathered([None] * count, [None] * count), sources)
-    full = {id(source): whole for source, whole in zip(sources, fulls)}
+    full = {id(source): whole for source, whole in zip(sources, fulls, strict=True)}
     return [full.get(id(value), value) if isinstance(value, Tensor) else value for value in values]
 
 

@@ -340,7 +340,7 @@ def _call_on_leaves(
 ) -> Any:
     """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
     call_args = list(args)
-    for position, tree, leaves in zip(positions, trees, leaf_lists):
+    for position, tree, leaves in zip(positions, trees, leaf_lists, strict=True):
         call_args[position] = tree.rebuild(leaves)
     return fn(*call_args, **kwargs)
 
@@ -355,7 +355,7 @@ def _detached(value: Any) -> Any:
         return value if all(changed[key] is item for key, item in value.items()) else changed
     if type(value) in (list, tuple):
         items = [_detached(item) for item in value]
-        unchanged = all(new is old for new, old in zip(items, value))
+        unchanged = all(new is old for new, old in zip(items, value, strict=True))
         return value if unchanged else type(value)(items)
     if value is None or isinstance(value, (int, float, str, bool)):
         return value
@@ -393,10 +393,12 @@ def _with_autograd(
             if output.requires_grad
             else [None] * len(inputs)  # fn does not depend on the inputs: zero gradients
         )
-    gradients = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(inputs, found)]
+    gradients = [
+        torch.zeros_like(leaf) if g is None else g for leaf, g in zip(inputs, found, strict=True)
+    ]
     grads = [
         tree.rebuild([gradients[slot] for slot in tree_slots])
-        for tree, tree_slots in zip(trees, slots)
+        for tree, tree_slots in zip(trees, slots, strict=True)
     ]
     value = output.detach()
     return grads, ((value, _detached(aux)) if has_aux else value)
@@ -420,5 +422,5 @@ def _with_torch_func(
     flat_grads, value = torch.func.grad_and_value(
         on_leaves, argnums=tuple(range(len(trees))), has_aux=has_aux
     )(*leaf_lists)
-    grads = [tree.rebuild(list(g)) for tree, g in zip(trees, flat_grads)]
+    grads = [tree.rebuild(list(g)) for tree, g in zip(trees, flat_grads, strict=True)]
     return grads, value

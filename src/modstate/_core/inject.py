@@ -291,7 +291,7 @@ def _copy(currents: list[Tensor], values: list[Tensor]) -> None:
     """``current.copy_(value)`` for each pair, once per tensor (ties), fused where possible."""
     seen: set[int] = set()
     pairs = []
-    for current, value in zip(currents, values):
+    for current, value in zip(currents, values, strict=True):
         if current is not value and id(current) not in seen:
             seen.add(id(current))
             pairs.append((current, value))
@@ -312,7 +312,7 @@ def _slot_values(currents: list[Any], values: list[Any]) -> list[Any]:
     module's ``requires_grad``, made once per distinct tensor so that ties stay ties."""
     made: dict[tuple[int, bool], Any] = {}
     out = []
-    for current, value in zip(currents, values):
+    for current, value in zip(currents, values, strict=True):
         as_parameter = isinstance(current, nn.Parameter)
         key = (id(value), as_parameter)
         new = made.get(key)
@@ -328,7 +328,7 @@ def _slot_values(currents: list[Any], values: list[Any]) -> list[Any]:
 
 
 def _assign(tables: list[dict[str, Any]], names: list[str], values: list[Any]) -> None:
-    for table, name, value in zip(tables, names, values):
+    for table, name, value in zip(tables, names, values, strict=True):
         table[name] = value
 
 
@@ -339,7 +339,7 @@ def _check_loadable(
     such path in module order; ``where(i)`` is ``(position in module order, path)``."""
     problems = [
         i
-        for i, (current, value) in enumerate(zip(currents, values))
+        for i, (current, value) in enumerate(zip(currents, values, strict=True))
         if _problem(current, value, assign, lazy_ok) is not None
     ]
     if problems:

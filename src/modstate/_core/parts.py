@@ -59,7 +59,7 @@ class _Plan:
         """Each part's leaves and nodes, or None if a part is shaped otherwise than this plan's
         (a hole filled included)."""
         found = []
-        for part, reader, holes in zip(parts, self.readers, self.holes):
+        for part, reader, holes in zip(parts, self.readers, self.holes, strict=True):
             read = reader.read(part)
             if read is None or any(read[0][i] is not None for i in holes):
                 return None
@@ -94,7 +94,7 @@ def read_parts(
     if not plan.fits or found is None:
         return None
     leaves: list[Any] = [None] * len(plan.sources)
-    for (part_leaves, _), where in zip(found, plan.positions):
+    for (part_leaves, _), where in zip(found, plan.positions, strict=True):
         for i, position in where:
             leaves[position] = part_leaves[i]
     sources, readers = plan.sources, plan.readers

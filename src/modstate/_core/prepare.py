@@ -240,7 +240,7 @@ def _prepare_by_path(
         [pos for pos, i in enumerate(order) if slots[i].is_buffer],
         lambda pos: None if nodes[pos] is None else (nodes[pos], keys[pos]),
         partial(ModuleGuard, guarded) if guarded else None,
-        lambda olds: unflatten({p: v for p, v in zip(paths, olds) if p is not None}),
+        lambda olds: unflatten({p: v for p, v in zip(paths, olds, strict=True) if p is not None}),
         private=private,
         lock=lock,
     )

@@ -33,7 +33,7 @@ class TreeReader:
         leaf_node_of: dict[str, tuple[int, str]] = {}
         self.entries: list[tuple[int, str, int]] = []
         _number_nodes(template, 0, "", parents, keys, self.node_lens, leaf_node_of, self.entries)
-        self.node_program = list(zip(parents, keys))
+        self.node_program = list(zip(parents, keys, strict=True))
         self.paths = list(leaf_node_of) if paths is None else paths
         where = [leaf_node_of[path] for path in self.paths]
         self.leaf_nodes = [node for node, _ in where]

@@ -116,7 +116,7 @@ class Sharding:
         """``(table, name, parameter)`` of every ``DTensor`` parameter of an FSDP unit that is
         not among ``tables`` / ``names`` (a partial tree leaves it to the module): the unit's
         stand-in gathers it with the rest, as FSDP would."""
-        given = {(id(table), name) for table, name in zip(tables, names)}
+        given = {(id(table), name) for table, name in zip(tables, names, strict=True)}
         return [
             (table, name, value)
             for table in self.unit_tables
@@ -172,7 +172,7 @@ class Sharding:
 
     def check_swappable(self, tables: list[dict[str, Any]], names: list[str]) -> None:
         """Refuse, naming the path, a permanent swap of a parameter that FSDP2 owns."""
-        for table, name in zip(tables, names):
+        for table, name in zip(tables, names, strict=True):
             owner = self.fsdp_owned.get(id(table))
             if owner is not None:
                 path = f"{owner[0]}.{name}" if owner[0] else name
@@ -187,7 +187,7 @@ class Sharding:
     def check_loadable(self, tables: list[dict[str, Any]], names: list[str]) -> None:
         """Refuse, naming the path, an in-place load into parameters that FSDP2 holds gathered
         (between forward and backward): FSDP reshards from its own shards, so it would be lost."""
-        for table, name in zip(tables, names):
+        for table, name in zip(tables, names, strict=True):
             owner = self.fsdp_owned.get(id(table))
             if owner is not None and not is_dtensor(table.get(name)):
                 path = f"{owner[0]}.{name}" if owner[0] else name
@@ -293,7 +293,7 @@ def loadable(currents: list[Any], values: list[Any]) -> list[Any]:
     this rank's piece of it (every rank holds the same full tensor), a ``DTensor`` going into
     a plain tensor its full tensor."""
     out = []
-    for current, value in zip(currents, values):
+    for current, value in zip(currents, values, strict=True):
         if is_dtensor(current) and isinstance(value, Tensor) and not is_dtensor(value):
             value = piece_of(value.detach(), current.device_mesh, current.placements)
         elif is_dtensor(value) and not is_dtensor(current):

@@ -160,9 +160,9 @@ class Swap:
             if tables is self.tables and self.layout is not None:
                 keys, layer_dicts = self.layout
             else:
-                keys = list(zip(map(_tag, tables), names))
+                keys = list(zip(map(_tag, tables), names, strict=True))
                 layer_dicts = list({id(t): t.layers for t in tables}.values())  # type: ignore[attr-defined]
-            self._layer.update(zip(keys, values))
+            self._layer.update(zip(keys, values, strict=True))
             self._attach(layer_dicts)
             return
         # The dicts' own entries, never a call's layer; a dict of another type keeps its methods.
@@ -208,7 +208,7 @@ class Swap:
         """A shared swap inside a stateless call in this thread: the call's layer shadows the
         dicts, so the body would not see the swap; update the layer where it holds the slot."""
         thread = get_ident()
-        for table, name, value in zip(tables, names, values):
+        for table, name, value in zip(tables, names, values, strict=True):
             layers = getattr(table, "layers", None)
             layer = layers.get(thread) if layers else None
             key = (getattr(table, "tag", 0), name)
@@ -250,7 +250,7 @@ class Swap:
             for layers in self._attached:
                 del layers[thread]
         else:
-            for layers, outer in zip(self._attached, outers):
+            for layers, outer in zip(self._attached, outers, strict=True):
                 if outer is None:
                     del layers[thread]
                 else:
@@ -300,7 +300,7 @@ class UnshardedSwap(Swap):
         units = sharding.units(tables)
         owned = {i for _, positions in units for i in positions}
         others = [i for i in range(len(values)) if i not in owned]
-        for i, value in zip(others, gathered([values[i] for i in others])):
+        for i, value in zip(others, gathered([values[i] for i in others]), strict=True):
             values[i] = value
         super().__init__(
             tables,
@@ -320,7 +320,7 @@ class UnshardedSwap(Swap):
         """Put ``values`` into the slots at ``positions`` (a unit's gathered parameters before
         its forward, the tree's ``DTensor`` s after it)."""
         tables, names = self.tables, self.names
-        for i, value in zip(positions, values):
+        for i, value in zip(positions, values, strict=True):
             table = tables[i]
             # A sharded module's swap is shared (for every thread): the dict's own entries.
             (_set_own if type(table) is SlotTable else operator.setitem)(table, names[i], value)
@@ -365,7 +365,7 @@ class HookedSwap(Swap):
             [i for i, a in enumerate(assignments) if a.is_buffer],
             target,
             None if guard is None else taken,
-            lambda olds: unflatten({a.key: old for a, old in zip(assignments, olds)}),
+            lambda olds: unflatten({a.key: old for a, old in zip(assignments, olds, strict=True)}),
         )
         self.extra_states = plan.extra_states
         self.previous_extra: list[tuple[nn.Module, str, Any]] = []

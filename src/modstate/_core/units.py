@@ -125,7 +125,7 @@ class _Unit:
 
     def values(self, fulls: list[Tensor]) -> list[Any]:
         out = []
-        for (how, what), value in zip(self.plan, self.placeholders):
+        for (how, what), value in zip(self.plan, self.placeholders, strict=True):
             if how == "gather":
                 out.append(fulls[what])
             elif how == "cast":

@@ -201,7 +201,8 @@ def check_same_tree(
     the same kind, shape, dtype, device and ``requires_grad`` (equal non-tensor values)."""
     same = f"stack {noun}s of one architecture"
     if list(first) != list(other):
-        for a, b in zip(first, other):
+        # The first differing path of the common prefix; a longer tree's extra is named below.
+        for a, b in zip(first, other, strict=False):
             if a != b:
                 raise ValueError(
                     f"{caller}: {b!r}: {noun} {index} has it where {noun} 0 has {a!r}; {same}"
@@ -297,7 +298,11 @@ def _class_names(kind: type, other: type) -> tuple[str, str]:
 def check_same_modules(first: ModuleLayout, other: ModuleLayout, index: int, caller: str) -> None:
     """Refuse model ``index`` unless its submodules have ``first``'s paths, types and modes."""
     same = "stack copies of one architecture"
-    for (path, kind, training), (other_path, other_kind, other_training) in zip(first, other):
+    # The common prefix first, so that a differing submodule is named rather than the count;
+    # a longer layout's extra submodule is named after the loop.
+    for (path, kind, training), (other_path, other_kind, other_training) in zip(
+        first, other, strict=False
+    ):
         name = repr(path) if path else "the root"
         if path != other_path:
             raise ValueError(

@@ -140,7 +140,7 @@ class StackedCall:
         position: dict[int, int] = {}
         self.where: list[int | None] = []
         self.sources: list[int] = []  # flat index of each distinct tensor's first path
-        for j, value in zip(layout.order, self.constants):
+        for j, value in zip(layout.order, self.constants, strict=True):
             if isinstance(value, Tensor):
                 index = position.setdefault(id(value), len(position))
                 if index == len(self.sources):
@@ -205,7 +205,7 @@ class StackedCall:
                 level = maybe_current_level()
                 assert level is not None  # inside torch.vmap
                 leaves = [as_member_view(t, 0, level) for t in distinct]
-            values = [c if i is None else leaves[i] for i, c in zip(where, constants)]
+            values = [c if i is None else leaves[i] for i, c in zip(where, constants, strict=True)]
             tree: Tree = optree.tree_unflatten(treespec, values)  # type: ignore[assignment]
             with enter():
                 out = call(module, tree, *member_args, **kwargs)
@@ -251,7 +251,7 @@ class StackedCall:
                 )
         if count is None:
             return
-        for position, (arg, dim) in enumerate(zip(args, arg_dims)):
+        for position, (arg, dim) in enumerate(zip(args, arg_dims, strict=True)):
             if not isinstance(dim, int):
                 continue
             for leaf in optree.tree_leaves(arg):

@@ -232,8 +232,9 @@ class ElementwiseOptimizer:
         """The rest of a step that `_repeat` recognised as the next of a donated loop."""
         before = (list(run.p), {name: list(run.buffers[name]) for name in names})
         new_scalars = self._update_run(run)
-        unchanged = all(a is b for a, b in zip(run.p, before[0])) and all(
-            all(a is b for a, b in zip(run.buffers[name], before[1][name])) for name in names
+        unchanged = all(a is b for a, b in zip(run.p, before[0], strict=True)) and all(
+            all(a is b for a, b in zip(run.buffers[name], before[1][name], strict=True))
+            for name in names
         )
         if not unchanged:
             object.__setattr__(self, "_repeat", None)

@@ -119,7 +119,10 @@ class LeafOps:
             half = [x.dtype in _HALF for x in xs]
             if any(half):
                 if self.multi_tensor and in_place_in_torch:
-                    factors = [_rounded(number, x.dtype) if h else number for x, h in zip(xs, half)]
+                    factors = [
+                        _rounded(number, x.dtype) if h else number
+                        for x, h in zip(xs, half, strict=True)
+                    ]
                     if own:
                         torch._foreach_mul_(xs, factors)
                         return xs
@@ -143,7 +146,7 @@ class LeafOps:
                 torch._foreach_mul_(xs, ys)
                 return xs
             return list(torch._foreach_mul(xs, ys))
-        return [torch.mul(x, y) for x, y in zip(xs, ys)]
+        return [torch.mul(x, y) for x, y in zip(xs, ys, strict=True)]
 
     def div(self, xs: Leaves, s: Scalar, *, own: bool = False) -> Leaves:
         """``x / s`` for a scalar `s`."""
@@ -163,7 +166,7 @@ class LeafOps:
                 torch._foreach_div_(xs, ys)
                 return xs
             return list(torch._foreach_div(xs, ys))
-        return [torch.div(x, y) for x, y in zip(xs, ys)]
+        return [torch.div(x, y) for x, y in zip(xs, ys, strict=True)]
 
     def reciprocal(self, xs: Leaves, *, own: bool = False) -> Leaves:
         if self.foreach:
@@ -200,12 +203,17 @@ class LeafOps:
                 torch._foreach_add_(xs, ys, alpha=number)
                 return xs
             if into is not None and _all_cpu(into):
-                return [torch.add(x, y, alpha=number, out=o) for x, y, o in zip(xs, ys, into)]
+                return [
+                    torch.add(x, y, alpha=number, out=o)
+                    for x, y, o in zip(xs, ys, into, strict=True)
+                ]
             return list(torch._foreach_add(xs, ys, alpha=number))
         if isinstance(alpha, Tensor):
             # `alpha=` takes numbers only; torch.optim's differentiable path multiplies too.
-            return [torch.add(x, torch.mul(y, _as_dtype(alpha, y))) for x, y in zip(xs, ys)]
-        return [torch.add(x, y, alpha=alpha) for x, y in zip(xs, ys)]
+            return [
+                torch.add(x, torch.mul(y, _as_dtype(alpha, y))) for x, y in zip(xs, ys, strict=True)
+            ]
+        return [torch.add(x, y, alpha=alpha) for x, y in zip(xs, ys, strict=True)]
 
     def lerp(self, xs: Leaves, ys: Leaves, weight: Scalar, *, own: bool = False) -> Leaves:
         """``x + weight * (y - x)``, with `torch.lerp`'s rounding."""
@@ -215,8 +223,8 @@ class LeafOps:
                 return xs
             return list(torch._foreach_lerp(xs, ys, _number(weight)))
         if isinstance(weight, Tensor):
-            return [torch.lerp(x, y, _as_dtype(weight, x)) for x, y in zip(xs, ys)]
-        return [torch.lerp(x, y, weight) for x, y in zip(xs, ys)]
+            return [torch.lerp(x, y, _as_dtype(weight, x)) for x, y in zip(xs, ys, strict=True)]
+        return [torch.lerp(x, y, weight) for x, y in zip(xs, ys, strict=True)]
 
     def addcmul(
         self, xs: Leaves, ys: Leaves, zs: Leaves, value: Scalar = 1, *, own: bool = False
@@ -230,9 +238,9 @@ class LeafOps:
         if isinstance(value, Tensor):
             return [
                 torch.add(x, torch.mul(torch.mul(y, _as_dtype(value, y)), z))
-                for x, y, z in zip(xs, ys, zs)
+                for x, y, z in zip(xs, ys, zs, strict=True)
             ]
-        return [torch.addcmul(x, y, z, value=value) for x, y, z in zip(xs, ys, zs)]
+        return [torch.addcmul(x, y, z, value=value) for x, y, z in zip(xs, ys, zs, strict=True)]
 
     def addcdiv(
         self,
@@ -255,15 +263,15 @@ class LeafOps:
             if out is not None and _all_cpu(out):
                 return [
                     torch.addcdiv(x, y, z, value=_number(value), out=o)
-                    for x, y, z, o in zip(xs, ys, zs, out)
+                    for x, y, z, o in zip(xs, ys, zs, out, strict=True)
                 ]
             return list(torch._foreach_addcdiv(xs, ys, zs, value))
         if isinstance(value, Tensor):
             return [
                 torch.add(x, torch.div(torch.mul(y, _as_dtype(value, y)), z))
-                for x, y, z in zip(xs, ys, zs)
+                for x, y, z in zip(xs, ys, zs, strict=True)
             ]
-        return [torch.addcdiv(x, y, z, value=value) for x, y, z in zip(xs, ys, zs)]
+        return [torch.addcdiv(x, y, z, value=value) for x, y, z in zip(xs, ys, zs, strict=True)]
 
     def sqrt(self, xs: Leaves, *, own: bool = False) -> Leaves:
         """``sqrt(x)``; in the functional form with a finite gradient at 0 (`safe_sqrt`)."""
@@ -277,15 +285,15 @@ class LeafOps:
     def maximum(self, xs: Leaves, ys: Leaves, *, own: bool = False) -> Leaves:
         if self.foreach:
             if own:
-                for x, y in zip(xs, ys):
+                for x, y in zip(xs, ys, strict=True):
                     torch.maximum(x, y, out=x)
                 return xs
             return list(torch._foreach_maximum(xs, ys))
-        return [torch.maximum(x, y) for x, y in zip(xs, ys)]
+        return [torch.maximum(x, y) for x, y in zip(xs, ys, strict=True)]
 
     def where(self, condition: Tensor, xs: Leaves, ys: Leaves) -> Leaves:
         """`xs` where the 0-dim `condition` holds, else `ys` (functional form only)."""
-        return [torch.where(condition.to(x.device), x, y) for x, y in zip(xs, ys)]
+        return [torch.where(condition.to(x.device), x, y) for x, y in zip(xs, ys, strict=True)]
 
     def copy_into(self, xs: Leaves, ys: Leaves) -> Leaves:
         """`ys` written into the step's own `xs` (eager) or a copy of `ys` (functional)."""

@@ -59,10 +59,12 @@ class Masked:
         keep = [_matches(pattern, path) for path in paths]
         # A tie (one tensor at several paths) is one parameter: matched at one path, it is
         # stepped, and at all its paths, so that it stays one tensor.
-        matched_ties = {id(leaf) for leaf, k in zip(leaves, keep) if k and isinstance(leaf, Tensor)}
+        matched_ties = {
+            id(leaf) for leaf, k in zip(leaves, keep, strict=True) if k and isinstance(leaf, Tensor)
+        }
         keep = [
             k or (isinstance(leaf, Tensor) and id(leaf) in matched_ties)
-            for leaf, k in zip(leaves, keep)
+            for leaf, k in zip(leaves, keep, strict=True)
         ]
         return leaves, keep, treedef
 
@@ -86,7 +88,9 @@ class Masked:
                 f"patterns that match some of the paths {paths[:5]}"
                 + (" ..." if len(paths) > 5 else "")
             )
-        inner: Any = treedef.unflatten([leaf if k else None for leaf, k in zip(leaves, keep)])
+        inner: Any = treedef.unflatten(
+            [leaf if k else None for leaf, k in zip(leaves, keep, strict=True)]
+        )
         return self.optimizer.init(inner)
 
     def step(
@@ -113,11 +117,15 @@ class Masked:
             grad_leaves: list[Any] = treedef.flatten_up_to(cast(Any, grads))
         except (ValueError, TypeError):
             raise ValueError(mismatch("masked.step", params, grads, "grads")) from None
-        inner_params: Any = treedef.unflatten([p if k else None for p, k in zip(leaves, keep)])
-        inner_grads: Any = treedef.unflatten([g if k else None for g, k in zip(grad_leaves, keep)])
+        inner_params: Any = treedef.unflatten(
+            [p if k else None for p, k in zip(leaves, keep, strict=True)]
+        )
+        inner_grads: Any = treedef.unflatten(
+            [g if k else None for g, k in zip(grad_leaves, keep, strict=True)]
+        )
         new_inner, new_state = self.optimizer.step(inner_params, inner_grads, state, donate=donate)
         new_leaves: list[Any] = treedef.flatten_up_to(cast(Any, new_inner))
-        merged = [new if k else old for old, new, k in zip(leaves, new_leaves, keep)]
+        merged = [new if k else old for old, new, k in zip(leaves, new_leaves, keep, strict=True)]
         new_params: Any = treedef.unflatten(merged)
         return new_params, new_state
 

@@ -64,8 +64,8 @@ class Repeat:
 
 def in_place(leaves: StepLeaves, run: Run) -> bool:
     """Whether the step wrote every param and buffer in place (its outputs are its inputs)."""
-    return all(a is b for a, b in zip(run.p, leaves.params)) and all(
-        all(a is b for a, b in zip(run.buffers[name], before))
+    return all(a is b for a, b in zip(run.p, leaves.params, strict=True)) and all(
+        all(a is b for a, b in zip(run.buffers[name], before, strict=True))
         for name, before in leaves.buffers.items()
     )
 

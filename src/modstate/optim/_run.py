@@ -165,7 +165,7 @@ class Run:
                     [step] * len(indices),
                 )
         self.p, self.own_p = params, True
-        self.buffers.update(zip(names, buffers))
+        self.buffers.update(zip(names, buffers, strict=True))
         self.own_buffers = True
 
 
@@ -182,7 +182,7 @@ def _aligned(params: Leaves, grads: Leaves, buffers: list[Leaves]) -> Leaves:
     ):
         return grads  # the common case: every layout matches already
     aligned = grads
-    for i, (param, grad) in enumerate(zip(params, grads)):
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
         stride = param.stride()
         if grad.stride() == stride and all(leaves[i].stride() == stride for leaves in buffers):
             continue

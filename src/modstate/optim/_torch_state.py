@@ -110,8 +110,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict
     group_paths = _group_paths(optimizer, module, "optimizer_state")
     packed = optimizer.state_dict()
     path_of_id: dict[Any, str] = {}
-    for saved, paths in zip(packed["param_groups"], group_paths):
-        path_of_id.update(zip(saved["params"], paths))
+    for saved, paths in zip(packed["param_groups"], group_paths, strict=True):
+        path_of_id.update(zip(saved["params"], paths, strict=True))
 
     by_path: dict[str, Mapping[str, Any]] = {}
     for param_id, entries in packed["state"].items():
@@ -133,7 +133,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict
             flat[f"{path}.{key}"] = value
 
     param_groups = []
-    for saved, paths in zip(packed["param_groups"], group_paths):
+    for saved, paths in zip(packed["param_groups"], group_paths, strict=True):
         group = {k: v for k, v in saved.items() if k not in _GROUP_PATH_KEYS}
         group["params"] = list(paths)
         param_groups.append(group)
@@ -167,7 +167,7 @@ def _check_groups(
             f"has {len(current)}; build the optimizer with the saved optimizer's groups"
         )
     group_of = {path: g for g, paths in enumerate(group_paths) for path in paths}
-    for g, (saved, paths) in enumerate(zip(groups, group_paths)):
+    for g, (saved, paths) in enumerate(zip(groups, group_paths, strict=True)):
         if not isinstance(saved, Mapping) or "params" not in saved:
             raise ValueError(
                 f"{_LOAD}: 'param_groups.{g}': not a dict with a 'params' list of paths; pass "
@@ -341,8 +341,10 @@ def load_optimizer_state(
     packed = optimizer.state_dict()
     id_of: dict[str, Any] = {}
     param_groups = []
-    for saved, current, paths in zip(tree["param_groups"], packed["param_groups"], group_paths):
-        id_of.update(zip(paths, current["params"]))
+    for saved, current, paths in zip(
+        tree["param_groups"], packed["param_groups"], group_paths, strict=True
+    ):
+        id_of.update(zip(paths, current["params"], strict=True))
         group = {k: v for k, v in current.items() if k != "params"}
         group.update({k: _copied(v) for k, v in saved.items() if k not in _GROUP_PATH_KEYS})
         group["params"] = current["params"]

@@ -197,7 +197,7 @@ class StepLeaves:
                 return leaves
         except AttributeError:  # a None (or other) leaf: the checks below say which
             pass
-        for index, (param, leaf) in enumerate(zip(self.params, leaves)):
+        for index, (param, leaf) in enumerate(zip(self.params, leaves, strict=True)):
             if leaf is None and allow_none:
                 continue
             if type(leaf) is Tensor and leaf.dtype is param.dtype and leaf.shape == param.shape:
@@ -223,7 +223,7 @@ class StepLeaves:
 
     def rebuild(self, full: Sequence[Tensor], updated: Sequence[Tensor]) -> Any:
         leaves = list(full)
-        for index, value in zip(self.active, updated):
+        for index, value in zip(self.active, updated, strict=True):
             leaves[index] = torch.view_as_complex(value) if self._complex[index] else value
         if self._ties:
             retie(leaves, self._ties)

@@ -194,7 +194,9 @@ def _binary_fast(
         other_flat = dict_leaves(other) if type(other) is dict else None
         if other_flat is None or other_flat.skeleton != flat.skeleton:
             raise Decline  # the walk matches keys in any order and names a mismatch
-        out = [leaf_op(leaf, match) for leaf, match in zip(flat.leaves, other_flat.leaves)]
+        out = [
+            leaf_op(leaf, match) for leaf, match in zip(flat.leaves, other_flat.leaves, strict=True)
+        ]
     elif foreach_kernel is not None and _one_foreach_call(flat, other):
         out = list(foreach_kernel(flat.leaves, other))  # a tuple: retie writes into it
     else:

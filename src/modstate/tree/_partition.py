@@ -61,7 +61,7 @@ def _select_by(node: Any, mask: Any, side: bool) -> Any:
         return None
     _, kids, rebuild = children(node)
     mask_kids = children(mask)[1]
-    return rebuild([_select_by(kid, m, side) for kid, m in zip(kids, mask_kids)])
+    return rebuild([_select_by(kid, m, side) for kid, m in zip(kids, mask_kids, strict=True)])
 
 
 def combine(*trees: Any) -> Any:

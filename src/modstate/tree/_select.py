@@ -97,7 +97,7 @@ def _filter(node: Any, path: str, pattern: re.Pattern[str], keep_matches: bool) 
     emptied = False
     new_kids = []
     dropped = []
-    for key, child in zip(keys, kids):
+    for key, child in zip(keys, kids, strict=True):
         child_path = f"{path}.{key}" if path else str(key)
         new_child, child_emptied = _filter(child, child_path, pattern, keep_matches)
         new_kids.append(new_child)
@@ -109,7 +109,7 @@ def _filter(node: Any, path: str, pattern: re.Pattern[str], keep_matches: bool) 
     if isinstance(node, dict):
         items = [
             (key, new_child)
-            for key, new_child, was_dropped in zip(keys, new_kids, dropped)
+            for key, new_child, was_dropped in zip(keys, new_kids, dropped, strict=True)
             if not was_dropped
         ]
         rebuilt: Any = dict_like(node, items)

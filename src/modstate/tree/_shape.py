@@ -187,7 +187,7 @@ def _pieces_fast(flat: DictLeaves, op: str, size: int | list[int] | None, dim: i
     if len(set(map(len, pieces))) != 1:
         raise Decline
     retie(pieces, tie_pairs(leaves))
-    return [refill(flat.skeleton, iter(column)) for column in zip(*pieces)]
+    return [refill(flat.skeleton, iter(column)) for column in zip(*pieces, strict=True)]
 
 
 def _pieces_walk(tree: Any, op: str, size: int | list[int] | None, dim: int) -> list[Any]:

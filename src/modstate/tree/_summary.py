@@ -82,7 +82,7 @@ class TreeSummary:
         widths = [max(len(line[col]) for line in table) for col in range(len(_HEADER))]
         lines = []
         for line in table:
-            left = [cell.ljust(width) for cell, width in zip(line[:-1], widths)]
+            left = [cell.ljust(width) for cell, width in zip(line[:-1], widths[:-1], strict=True)]
             lines.append("  ".join([*left, line[-1].rjust(widths[-1])]).rstrip())
         rule = "-" * max(len(line) for line in lines)
         return "\n".join([lines[0], rule, *lines[1:], rule, self.total_line()])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import Any
 
 import optree
@@ -76,7 +75,7 @@ def children(node: Any) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any
     kind = type(node)
     if kind in DICT_KINDS:
         keys = list(node)
-        return keys, list(node.values()), lambda new: dict_like(node, zip(keys, new))
+        return keys, list(node.values()), lambda new: dict_like(node, zip(keys, new, strict=True))
     if kind is list:
         return list(range(len(node))), list(node), list
     if kind is tuple:
@@ -298,7 +297,7 @@ def transpose(node: dict, columns: list[Sequence[Any]], count: int) -> list[dict
     """``count`` dicts with ``node``'s keys: dict ``i`` maps the ``j``-th key to ``columns[j][i]``."""
     if not columns:
         return [{} for _ in range(count)]
-    return list(map(dict, map(zip, repeat(node), zip(*columns))))
+    return [dict(zip(node, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def first_tensor(node: Any) -> Tensor | None:
@@ -334,5 +333,5 @@ def _collect(node: Any, path: str, out: list[tuple[str, Any]]) -> None:
     if node is None:
         return
     keys, kids, _ = children(node)
-    for key, child in zip(keys, kids):
+    for key, child in zip(keys, kids, strict=True):
         _collect(child, f"{path}.{key}" if path else str(key), out)

@@ -66,6 +66,7 @@ def test_the_cumulative_average_follows_each_members_own_batch_count():
     x = torch.randn(8, 4)
     torch.testing.assert_close(ensemble(x), torch.stack([r(x) for r in references]))
     stacked = ms.flatten(ms.stack([ms.extract(r) for r in references]))
+    assert ms.flatten(ensemble.tree()).keys() == stacked.keys()
     for path, leaf in ms.flatten(ensemble.tree()).items():
         torch.testing.assert_close(leaf, stacked[path], msg=path)
 

@@ -37,7 +37,8 @@ def folded_attention(
     once with the members folded into dim 0; None when no input is a member view of ``level``,
     or when the call has no folded form (inputs without a batch dim, dropout with randomness
     other than ``"different"``): the caller then runs it as it is."""
-    given = dict(zip(_SDPA_NAMES, args))
+    # The positional arguments name a prefix of the signature; the rest come by keyword.
+    given = dict(zip(_SDPA_NAMES, args, strict=False))
     given.update(kwargs)
     inputs = [members_of(given[name], level) for name in ("query", "key", "value")]
     if all(bdim is None for _, bdim in inputs):

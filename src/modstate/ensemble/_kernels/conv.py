@@ -107,7 +107,12 @@ class ConvolutionKernel:
         out_hw = [
             (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
             for size, pad, dilation, kernel, stride in zip(
-                (height, width), self.padding, self.dilation, self.kernel_size, self.stride
+                (height, width),
+                self.padding,
+                self.dilation,
+                self.kernel_size,
+                self.stride,
+                strict=True,
             )
         ]
         positions = out_hw[0] * out_hw[1]
@@ -136,7 +141,9 @@ def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
     """The ``F.pad`` amounts (last dim first) that ``module``'s padding means."""
     amounts: list[int] = []
     if isinstance(module.padding, str):
-        for dilation, size in zip(reversed(module.dilation), reversed(module.kernel_size)):
+        for dilation, size in zip(
+            reversed(module.dilation), reversed(module.kernel_size), strict=True
+        ):
             total = 0 if module.padding == "valid" else dilation * (size - 1)
             amounts += [total // 2, total - total // 2]
         return amounts
