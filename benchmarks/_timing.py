@@ -149,8 +149,8 @@ def assert_same_trees(
     if want.keys() != got.keys():
         missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
         raise AssertionError(f"{what}: paths differ: missing {missing[:5]}, extra {extra[:5]}")
-    for path, leaf in want.items():
-        other = got[path]
+    for key, leaf in want.items():
+        other, path = got[key], key or "(the whole tree)"
         if not isinstance(leaf, torch.Tensor):
             assert other == leaf, f"{what}: at {path!r}: {other!r} != {leaf!r}"
             continue

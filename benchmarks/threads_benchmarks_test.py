@@ -2,8 +2,8 @@
 
 The issue-19 case: ``Sequential(Linear(256, 256), ReLU(), Linear(256, 256))``, batch 64, no
 grad; every thread calls the one module with a tree of its own (a server answering requests with
-per-request weights). Each output is compared exactly with functional_call's, computed beforehand in a single
-thread. ``torch.func.functional_call`` is timed beside ``ms.call`` but is not a peer on
+per-request weights). Each output is compared exactly with ``functional_call``'s, computed
+beforehand in a single thread. ``torch.func.functional_call`` is timed beside ``ms.call`` but is not a peer on
 correctness: it swaps the tensors into the module for every thread, so from two threads on most of
 its outputs are wrong (and on exit it writes what the module holds, another thread's tensors, into
 the caller's dict); its wrong-output count is in the impl's name (and ``extra_info``).
