@@ -200,6 +200,7 @@ def test_ensemble_forward(compare, case: Case) -> None:
             if impl in missing:
                 continue
             run = runner(impl, case, models)
-            torch.testing.assert_close(run(x), expected, atol=1e-4, rtol=1e-4)
+            # Batched kernels sum in another order than each model's own: the last bits differ.
+            torch.testing.assert_close(run(x), expected, atol=1e-4, rtol=1e-4, msg=impl)
             impls[impl] = functools.partial(run, x)
         compare(case.name, impls, missing=missing)
