@@ -173,7 +173,9 @@ def check_against_the_loop(case: Case, models: list[nn.Module], x: Any) -> None:
             expected.square().sum().backward()
         for name, (run, params) in fresh.items():
             out = run(x)
-            torch.testing.assert_close(out, expected.detach(), **TOLERANCE, msg=name)
+            torch.testing.assert_close(
+                out, expected.detach(), **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}"
+            )
             if case.train_step:
                 out.square().sum().backward()
                 _assert_same_grads(params, loop_params, case.count, name)
@@ -187,7 +189,9 @@ def _assert_same_grads(stacked: list[Tensor], loop: list[Tensor], count: int, na
     assert len(stacked) == per_member, f"{name}: {len(stacked)} tensors, {per_member} per member"
     for j, grad in enumerate(p.grad for p in stacked):
         want = torch.stack([loop[i * per_member + j].grad for i in range(count)])
-        torch.testing.assert_close(grad, want, **TOLERANCE, msg=f"{name}: gradient {j}")
+        torch.testing.assert_close(
+            grad, want, **TOLERANCE, msg=lambda m, j=j: f"{name}: gradient {j}: {m}"
+        )
 
 
 def timed_impls(case: Case, models: list[nn.Module], x: Any) -> dict[str, Callable[[], Any]]:
