@@ -142,8 +142,10 @@ def measure(mib: float = 384, cases: tuple[str, ...] = CASES) -> dict[str, objec
         for case in cases:
             done = subprocess.run(
                 [sys.executable, __file__, "--case", case, directory, str(layers)],
-                capture_output=True, text=True, check=True,
+                capture_output=True, text=True,
             )  # fmt: skip
+            if done.returncode:  # a failed check: say what the case's process said
+                raise RuntimeError(f"{case}: exit status {done.returncode}\n{done.stderr[-3000:]}")
             results[case] = json.loads(done.stdout.splitlines()[-1])
     return {"file bytes": size, "cases": results}
 
