@@ -9,6 +9,12 @@ min over rounds, with the interquartile range as the spread.
     >>> samples = interleave({"a": lambda: sum(range(100)), "b": lambda: sum(range(200))}, rounds=5)
     >>> sorted(samples), len(samples["a"])
     (['a', 'b'], 5)
+
+Every case first checks that its implementations compute the same thing, with
+`assert_same_trees`: trees (nested mappings such as dicts and TensorDicts, lists, tuples) are
+flattened here, not with modstate's ``flatten``, so that the check does not lean on the code it
+checks. (The helper lives here, not in a module of its own, because the report's tests copy a
+suite with ``conftest.py`` and ``_timing.py`` only.)
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+import torch
 
 Impl = Callable[[], Any]
 
@@ -98,3 +106,63 @@ def optional(module: str) -> ModuleType | None:
         return importlib.import_module(module)
     except ImportError:
         return None
+
+
+# -- the check before timing -----------------------------------------------------------------------
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` for a tree of mappings (anything with ``items()``), lists and tuples."""
+    if isinstance(tree, torch.Tensor) or not (
+        hasattr(tree, "items") or isinstance(tree, (list, tuple))
+    ):
+        return {prefix: tree}
+    pairs = tree.items() if hasattr(tree, "items") else enumerate(tree)
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        out.update(flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def assert_same_trees(
+    expected: Any,
+    actual: Any,
+    *,
+    what: str,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    same_storage: bool = False,
+) -> None:
+    """The same paths, and at each one the same leaf: equal within ``atol``/``rtol`` (dtype and
+    shape too; bit for bit when both are 0), and with ``same_storage`` also the same memory
+    (``data_ptr``), for views and for trees of a module's own tensors. The message names ``what``
+    (the case) and the first differing path.
+
+        >>> assert_same_trees({"a": [torch.ones(2)]}, {"a": [torch.ones(2)]}, what="demo")
+        >>> assert_same_trees({"a": torch.ones(2)}, {"a": torch.zeros(2)}, what="demo")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        AssertionError: demo: at 'a': Tensor-likes are not equal!
+        ...
+    """
+    want, got = flat(expected), flat(actual)
+    if want.keys() != got.keys():
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        raise AssertionError(f"{what}: paths differ: missing {missing[:5]}, extra {extra[:5]}")
+    for key, leaf in want.items():
+        other, path = got[key], key or "(the whole tree)"
+        if not isinstance(leaf, torch.Tensor):
+            assert other == leaf, f"{what}: at {path!r}: {other!r} != {leaf!r}"
+            continue
+        if same_storage:
+            assert other.data_ptr() == leaf.data_ptr(), f"{what}: at {path!r}: not the same memory"
+            layout = (other.dtype, other.shape, other.stride())
+            if layout == (leaf.dtype, leaf.shape, leaf.stride()):
+                continue  # the same memory read the same way: the same values, unread
+        torch.testing.assert_close(
+            other,
+            leaf,
+            atol=atol,
+            rtol=rtol,
+            msg=lambda text, path=path: f"{what}: at {path!r}: {text}",
+        )

@@ -6,7 +6,8 @@
 Each case runs in a fresh process that reads its memory from ``/proc/self/status``: ``VmRSS``
 (resident now) and ``VmHWM`` (the peak), the peak reset just before the load by writing 5 to
 ``/proc/self/clear_refs``. "peak rise" is the peak during the load minus the resident memory
-before it, reported in MiB and as a fraction of the file's size. Cases:
+before it, reported in MiB and as a fraction of the file's size; then the case checks that the
+model holds the saved weights, bit for bit. Cases:
 
 - ``modstate mmap+assign``: a model built on the meta device, ``checkpoint.load(path, mmap=True)``
   and ``ms.load(model, tree, assign=True)``; then one forward pass ("after use": the weights
@@ -97,12 +98,24 @@ def run_case(case: str, directory: str, layers: int) -> dict[str, float]:
         model(torch.ones(1, WIDTH))
     used = status()
     assert all(t.device.type == "cpu" for t in model.parameters())
+    check_loaded(model, directory)  # after the figures: the check reads every weight
     return {
         "before": before,
         "peak rise": loaded["VmHWM"] - before,
         "after load": loaded["VmRSS"] - before,
         "after use": used["VmRSS"] - before,
     }
+
+
+def check_loaded(model, directory: str) -> None:
+    """The model holds what was saved, bit for bit, whichever case loaded it: read back with
+    ``torch.load`` from torch's own file, not through modstate."""
+    import torch
+
+    from _timing import assert_same_trees
+
+    saved = torch.load(os.path.join(directory, "model.pt"), mmap=True, weights_only=True)
+    assert_same_trees(saved, model.state_dict(), what="checkpoint_memory: the loaded model")
 
 
 def write_checkpoints(directory: str, layers: int) -> int:
@@ -129,8 +142,10 @@ def measure(mib: float = 384, cases: tuple[str, ...] = CASES) -> dict[str, objec
         for case in cases:
             done = subprocess.run(
                 [sys.executable, __file__, "--case", case, directory, str(layers)],
-                capture_output=True, text=True, check=True,
+                capture_output=True, text=True,
             )  # fmt: skip
+            if done.returncode:  # a failed check: say what the case's process said
+                raise RuntimeError(f"{case}: exit status {done.returncode}\n{done.stderr[-3000:]}")
             results[case] = json.loads(done.stdout.splitlines()[-1])
     return {"file bytes": size, "cases": results}
 

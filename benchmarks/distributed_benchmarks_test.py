@@ -22,6 +22,11 @@ Cases (8-member ensembles of 64→256→256→10 MLPs, batch 128; FSDP2 on the s
 
 Inside the ranks every implementation runs a fixed number of calls per round (the ranks must
 make the same collectives), each round starting at a barrier; rank 0's times are reported.
+
+Before timing, the ranks check every case (a failed check fails the ranks, so every test here):
+one member-parallel step against an ordinary Ensemble's from the same seed; both saves read
+back with ``dcp.load`` against the state saved; the FSDP2 call's output against the module's
+forward, and its gradients (``torch.func.grad`` and ``.backward()``) against the module's own.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import modstate as ms
-from _timing import summarize
+from _timing import assert_same_trees, flat, summarize
 from conftest import QUICK
 
 pytestmark = pytest.mark.skipif(
@@ -102,6 +107,66 @@ def _rounds(impls: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dic
                 impls[name]()
             samples[name].append((time.perf_counter() - start) / calls)
     return samples
+
+
+# Checks before timing. An FSDP2 call and the module's forward run the same ops on the same
+# gathered tensors: bit for bit. A member-parallel step runs each rank's members in batched
+# kernels of another size than one process's, which may round apart in the last bits.
+PARALLEL_TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
+
+
+def _local(tree: Any) -> dict[str, Any]:
+    """A flat tree with each DTensor replaced by this rank's shard."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in flat(tree).items()}
+
+
+def _check_member_parallel(ensemble: nn.Module, step: Callable[[], None], seed: int) -> None:
+    """One training step of the member-parallel ensemble, built after ``manual_seed(seed)``,
+    gives an ordinary Ensemble's from the same seed in this process: every param and Adam's
+    update, gathered."""
+    torch.manual_seed(seed)  # on one process from_factory draws the same members as the ranks
+    alone = ms.Ensemble.from_factory(mlp, MEMBERS)
+    training_step(alone, torch.optim.Adam(alone.parameters(), lr=1e-3))()
+    step()
+    gathered = {k: v.full_tensor() for k, v in ensemble.state_dict().items()}
+    what = "member-parallel training step vs one process"
+    assert_same_trees(alone.state_dict(), gathered, what=what, **PARALLEL_TOLERANCE)
+
+
+def _check_saves(flat_state: dict[str, Any], saved_by: dict[str, Path]) -> None:
+    """What each save wrote: the same keys, and read back with ``dcp.load`` (not modstate's
+    loader), every tensor of this rank equal to the state saved, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors = {k: v.detach() for k, v in flat_state.items() if isinstance(v, torch.Tensor)}
+    keys = {}
+    for impl, directory in saved_by.items():
+        keys[impl] = sorted(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
+        loaded = {k: torch.zeros_like(v) for k, v in tensors.items()}
+        dcp.load(loaded, checkpoint_id=directory)
+        assert_same_trees(_local(tensors), _local(loaded), what=f"save: read back from {impl}")
+    assert len(set(map(tuple, keys.values()))) == 1, f"save: the checkpoints' keys differ: {keys}"
+
+
+def _check_fsdp(model: nn.Module, tree: dict, leaves: dict, x: torch.Tensor, what: str) -> None:
+    """ms.call with a tree gives the module's own forward, and the gradients that
+    ``.backward()`` through the module gives, through ``torch.func.grad`` and through
+    ``.backward()``: each rank's shards, bit for bit."""
+    with torch.no_grad():
+        expected = model(x)
+        model.reshard()
+        assert_same_trees(expected, ms.call(model, tree, x), what=f"{what}: ms.call vs forward")
+    model(x).pow(2).sum().backward()
+    own = {name: p.grad.to_local() for name, p in model.named_parameters()}
+    for parameter in model.parameters():
+        parameter.grad = None
+    by_func = torch.func.grad(lambda t: ms.call(model, t, x).pow(2).sum())(tree)
+    assert_same_trees(own, _local(by_func), what=f"{what}: torch.func.grad through ms.call")
+    ms.call(model, leaves, x).pow(2).sum().backward()
+    by_backward = {path: leaf.grad for path, leaf in flat(leaves).items()}
+    for leaf in flat(leaves).values():
+        leaf.grad = None
+    assert_same_trees(own, _local(by_backward), what=f"{what}: .backward() through ms.call")
 
 
 UNIT_WIDTH, UNIT_BATCH = 256, 32
@@ -163,6 +228,7 @@ def _fsdp_units(mesh: Any, units: int, rounds: int, calls: int) -> dict[str, Any
         for leaf in ms.flatten(leaves).values():
             leaf.grad = None
 
+    _check_fsdp(model, tree, leaves, x, f"FSDP2 {units} units")
     memory = {
         "ms.call, no grad": stateless,
         "own forward, no grad": own_forward,
@@ -199,9 +265,12 @@ def _in_ranks(rank: int, world_size: int, port: int, rounds: int, calls: int, ou
         mesh = init_device_mesh("cpu", (world_size,))
         results: dict[str, Any] = {}
 
+        torch.manual_seed(0)  # the first rank's random state decides the members
         ensemble = ms.Ensemble.from_factory(mlp, MEMBERS, mesh=mesh)
         adam = torch.optim.Adam(ensemble.parameters(), lr=1e-3)
-        results["step"] = _rounds({"modstate": training_step(ensemble, adam)}, rounds, calls)
+        step = training_step(ensemble, adam)
+        _check_member_parallel(ensemble, step, seed=0)
+        results["step"] = _rounds({"modstate": step}, rounds, calls)
 
         state = {
             "model": ms.extract(ensemble),
@@ -227,6 +296,9 @@ def _in_ranks(rank: int, world_size: int, port: int, rounds: int, calls: int, ou
                 checkpoint_id=scratch / f"dcp-{next(count)}",
             )
 
+        save_modstate()  # the check reads these two; the timed saves write new directories
+        save_dcp()
+        _check_saves(flat, {"save_distributed": scratch / "ms-0", "dcp.save": scratch / "dcp-1"})
         results["save"] = _rounds(
             {"modstate": save_modstate, "torch.distributed.checkpoint: dcp.save": save_dcp},
             rounds,

@@ -5,10 +5,15 @@ Each test is one case timed with the ``compare`` fixture: every implementation w
 timed in interleaved rounds. An impl starting with ``baseline`` is the plain forward, which the
 report subtracts to compare overheads. tensordict entries are left out (and listed by the report)
 when tensordict is not installed.
+
+Before timing, every case checks each implementation: a call's output equals the plain forward's
+bit for bit; inside an injection the module holds the very tensors given (the same memory), and
+its own again after; an extraction gives the module's own tensors at the same paths.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +25,7 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
 import modstate as ms
-from _timing import optional
+from _timing import assert_same_trees, optional
 
 warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
 
@@ -67,8 +72,8 @@ def test_exec(compare):
 
         impls["tensordict"] = td_call
     expected = net(x)
-    for fn in impls.values():
-        torch.testing.assert_close(fn(), expected)
+    for impl, fn in impls.items():  # the same Linear ops on the same tensors: bit for bit
+        assert_same_trees(expected, fn(), what=f"{EXEC}: {impl}")
     compare(EXEC, impls, missing=MISSING)
 
 
@@ -80,23 +85,31 @@ def _copies(module):
     return {k: v.detach().clone() for k, v in _own(module).items()}
 
 
+def _check_injections(case: str, module: nn.Module, injections: dict[str, tuple]) -> None:
+    """Inside each injection the module holds the tensors it was given (the same memory), and
+    after it its own again. ``injections``: impl -> (context factory, the flat tensors given)."""
+    own = _own(module)
+    for impl, (enter, given) in injections.items():
+        with enter():
+            assert_same_trees(
+                given, _own(module), what=f"{case}: {impl}, inside", same_storage=True
+            )
+        assert_same_trees(own, _own(module), what=f"{case}: {impl}, after", same_storage=True)
+
+
 @pytest.mark.parametrize("tensors", ["own", "copies"])
 def test_inject_speed(compare, transformer, tensors):
-    """Entering and leaving an injection, with nothing computed inside."""
+    """Entering and leaving an injection, with nothing computed inside.
+
+    ``own``: the tensors injected are the module's own, the case of an injection that changes
+    nothing. modstate sees that and swaps nothing (a fast path: what is timed is that check),
+    while the peers swap every tensor out and back; ``copies`` is the like-for-like case, where
+    every implementation swaps all 184 tensors."""
     flat = _own(transformer) if tensors == "own" else _copies(transformer)
     tree = ms.unflatten(flat)
-
-    def modstate_inject():
-        with ms.inject(transformer, tree):
-            pass
-
-    def torch_reparametrize():
-        with _reparametrize_module(transformer, flat):
-            pass
-
-    impls: dict[str, Callable[[], Any]] = {
-        "modstate": modstate_inject,
-        "torch _reparametrize_module": torch_reparametrize,
+    injections: dict[str, tuple[Callable[[], Any], dict]] = {
+        "modstate": (lambda: ms.inject(transformer, tree), flat),
+        "torch _reparametrize_module": (lambda: _reparametrize_module(transformer, flat), flat),
     }
     if tensordict:
         if tensors == "own":
@@ -104,30 +117,38 @@ def test_inject_speed(compare, transformer, tensors):
         else:
             td_params = tensordict.TensorDict.from_module(transformer).data.detach().clone()
             warnings.filterwarnings("ignore", category=FutureWarning)
+        given = dict(td_params.flatten_keys(".").items())
+        injections["tensordict"] = (lambda: td_params.to_module(transformer), given)
+    case = INJECT_OWN if tensors == "own" else INJECT_COPIES
+    _check_injections(case, transformer, injections)
+    impls = {
+        impl: functools.partial(_enter_and_leave, enter) for impl, (enter, _) in injections.items()
+    }
+    compare(case, impls, missing=MISSING)
 
-        def td_inject():
-            with td_params.to_module(transformer):
-                pass
 
-        impls["tensordict"] = td_inject
-    compare(INJECT_OWN if tensors == "own" else INJECT_COPIES, impls, missing=MISSING)
+def _enter_and_leave(enter: Callable[[], Any]) -> None:
+    with enter():
+        pass
 
 
 def test_extract(compare, transformer):
+    """Both give the module's own tensors: the same paths, the same memory."""
     impls: dict[str, Callable[[], Any]] = {"modstate": lambda: ms.extract(transformer)}
     if tensordict:
         impls["tensordict"] = lambda: tensordict.TensorDict.from_module(transformer)
+    for impl, fn in impls.items():
+        assert_same_trees(_own(transformer), fn(), what=f"{EXTRACT}: {impl}", same_storage=True)
     compare(EXTRACT, impls, missing=MISSING)
 
 
 def test_extract_state_dict(compare, transformer):
-    assert ms.flatten(ms.extract(transformer, use_state_dict=True)).keys() == (
-        transformer.state_dict().keys()
-    )
-    compare(
-        EXTRACT_SD,
-        {
-            "modstate": lambda: ms.extract(transformer, use_state_dict=True),
-            "torch state_dict(keep_vars=True)": lambda: transformer.state_dict(keep_vars=True),
-        },
-    )
+    """Both give the module's own tensors at state_dict's keys: the same paths, the same memory."""
+    impls: dict[str, Callable[[], Any]] = {
+        "modstate": lambda: ms.extract(transformer, use_state_dict=True),
+        "torch state_dict(keep_vars=True)": lambda: transformer.state_dict(keep_vars=True),
+    }
+    expected = impls["torch state_dict(keep_vars=True)"]()
+    for impl, fn in impls.items():
+        assert_same_trees(expected, fn(), what=f"{EXTRACT_SD}: {impl}", same_storage=True)
+    compare(EXTRACT_SD, impls)

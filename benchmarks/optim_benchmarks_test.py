@@ -32,6 +32,7 @@ from torch import nn
 
 import modstate as ms
 from _tables import show, us
+from _timing import assert_same_trees
 from modstate import optim
 
 MODEL = "4x Linear(512,512)"
@@ -65,26 +66,64 @@ def flag_sets(case: str) -> dict[str, dict[str, bool]]:
     return {**TORCH_FLAGS, **(FUSED if CASES[case][3] else {})}
 
 
-def torch_step(case: str, flags: dict[str, bool]) -> Callable[[], None]:
+Step = Callable[[], None]
+Read = Callable[[], dict[str, Any]]
+WARM_STEPS = 3  # past the first steps, which some optimizers treat apart
+
+
+def torch_step(case: str, flags: dict[str, bool]) -> tuple[Step, Read]:
+    """torch.optim's step on its own model, after ``WARM_STEPS`` steps; and a reader of its
+    params and state, laid out as modstate's: ``{"params": ..., "state": {"exp_avg": ...}}``."""
     _, torch_class, kwargs, _, _ = CASES[case]
     model = make_model()
-    return torch_class(model.parameters(), **kwargs, **flags).step
+    opt = torch_class(model.parameters(), **kwargs, **flags)
+    for _ in range(WARM_STEPS):
+        opt.step()
+
+    def read() -> dict[str, Any]:
+        named = dict(model.named_parameters())
+        state: dict[str, Any] = {}
+        for name, param in named.items():
+            for key, value in opt.state[param].items():
+                if value.dim() == 0:  # step and nadam's mu_product: one per param in torch
+                    state[key] = value
+                else:
+                    state.setdefault(key, {})[name] = value
+        return {"params": {name: p.detach() for name, p in named.items()}, "state": state}
+
+    return opt.step, read
 
 
-def modstate_step(case: str, flags: dict[str, bool], *, donate: bool) -> Callable[[], None]:
+def modstate_step(case: str, flags: dict[str, bool], *, donate: bool) -> tuple[Step, Read]:
+    """modstate's step, after ``WARM_STEPS`` steps from the same values; and a reader."""
     factory, _, kwargs, _, _ = CASES[case]
     model = make_model()
     params = ms.tree.clone(ms.extract(model, detach=True))
     grads = ms.unflatten({name: p.grad for name, p in model.named_parameters()})
     opt = factory(**kwargs, **flags)
     carry = [params, opt.init(params)]
-    for _ in range(3):  # past the first steps, which some optimizers treat apart
-        carry[0], carry[1] = opt.step(carry[0], grads, carry[1], donate=donate)
 
     def step() -> None:
         carry[0], carry[1] = opt.step(carry[0], grads, carry[1], donate=donate)
 
-    return step
+    for _ in range(WARM_STEPS):
+        step()
+    return step, lambda: {"params": carry[0], "state": carry[1]}
+
+
+def check_same_steps(case: str, steps: dict[str, tuple[Step, Read]], flags: dict) -> None:
+    """Each torch.optim configuration and modstate's same configuration hold the same params
+    and state after the warm-up steps and one more: bit for bit, as tests/optim checks over
+    100 steps (same flags, same op order). Across flags torch's own kernels differ in the last
+    bits, so each pair is compared, not every entry with one."""
+    for name in flags:
+        torch_entry, ours = steps[f"torch.optim ({name})"], steps[f"modstate ({name})"]
+        for run, _ in (torch_entry, ours):
+            run()
+        expected, got = torch_entry[1](), ours[1]()
+        if "step" not in expected["state"]:  # torch's SGD counts no steps; modstate's does
+            got = {**got, "state": {k: v for k, v in got["state"].items() if k != "step"}}
+        assert_same_trees(expected, got, what=f"{case}, {name}: modstate vs torch.optim")
 
 
 def allocation_floor(case: str) -> Callable[[], list[torch.Tensor]]:
@@ -96,6 +135,20 @@ def allocation_floor(case: str) -> Callable[[], list[torch.Tensor]]:
         return [torch.empty_like(leaf).fill_(1.0) for _ in range(trees) for leaf in leaves]
 
     return allocate
+
+
+def checked_steps(case: str, ours: str, *, donate: bool) -> dict[str, Step]:
+    """modstate's step in each configuration (``ours`` named ``"modstate"``) and torch.optim's,
+    checked to compute the same thing (`check_same_steps`)."""
+    flags = flag_sets(case)
+    steps = {
+        f"modstate ({name})": modstate_step(case, v, donate=donate) for name, v in flags.items()
+    }
+    steps.update({f"torch.optim ({name})": torch_step(case, v) for name, v in flags.items()})
+    check_same_steps(case, steps, flags)
+    impls = {"modstate": steps.pop(f"modstate ({ours})")[0]}
+    impls.update({impl: run for impl, (run, _) in steps.items()})
+    return impls
 
 
 def fastest(stats: dict[str, dict[str, float]], prefix: str, key: str) -> tuple[str, float]:
@@ -133,17 +186,7 @@ def ratio_table(request):
 def test_step_donated(compare, case):
     flags = flag_sets(case)
     ours = "fused=True" if "fused=True" in flags else "foreach=False"
-    impls = {"modstate": modstate_step(case, flags[ours], donate=True)}
-    impls.update(
-        {
-            f"modstate ({name})": modstate_step(case, value, donate=True)
-            for name, value in flags.items()
-            if name != ours
-        }
-    )
-    impls.update(
-        {f"torch.optim ({name})": torch_step(case, value) for name, value in flags.items()}
-    )
+    impls = checked_steps(case, ours, donate=True)
     stats = compare(f"optim step: {case}, donated ({MODEL})", impls)
     if stats is None:
         return
@@ -164,18 +207,8 @@ def test_step_pure(compare, case):
     flags = flag_sets(case)
     ours = "fused=True" if "fused=True" in flags else "foreach=False"
     floor_name = "allocation floor (empty_like + fill of the returned trees)"
-    impls = {"modstate": modstate_step(case, flags[ours], donate=False)}
-    impls.update(
-        {
-            f"modstate ({name})": modstate_step(case, value, donate=False)
-            for name, value in flags.items()
-            if name != ours
-        }
-    )
-    impls[floor_name] = allocation_floor(case)
-    impls.update(
-        {f"torch.optim ({name})": torch_step(case, value) for name, value in flags.items()}
-    )
+    impls = checked_steps(case, ours, donate=False)
+    impls[floor_name] = allocation_floor(case)  # a floor, not a step: nothing to check
     stats = compare(f"optim step: {case}, pure ({MODEL})", impls)
     if stats is None:
         return

@@ -2,8 +2,8 @@
 
 The issue-19 case: ``Sequential(Linear(256, 256), ReLU(), Linear(256, 256))``, batch 64, no
 grad; every thread calls the one module with a tree of its own (a server answering requests with
-per-request weights). Each output is compared exactly with the one computed beforehand in a single
-thread. ``torch.func.functional_call`` is timed beside ``ms.call`` but is not a peer on
+per-request weights). Each output is compared exactly with ``functional_call``'s, computed
+beforehand in a single thread. ``torch.func.functional_call`` is timed beside ``ms.call`` but is not a peer on
 correctness: it swaps the tensors into the module for every thread, so from two threads on most of
 its outputs are wrong (and on exit it writes what the module holds, another thread's tensors, into
 the caller's dict); its wrong-output count is in the impl's name (and ``extra_info``).
@@ -35,6 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 import modstate as ms
+from _timing import assert_same_trees
 from conftest import QUICK
 
 BATCH, WIDTH = 64, 256
@@ -51,7 +52,8 @@ IMPLS: dict[str, Call] = {
 
 class Setup:
     """One module, one tree per thread (nested for ``ms.call``, flat for ``functional_call``),
-    one input, and each thread's expected output, computed in this thread first."""
+    one input, and each thread's expected output: ``functional_call``'s from this one thread,
+    which ``ms.call``'s here must equal bit for bit (the same ops on the same tensors)."""
 
     def __init__(self, threads: int) -> None:
         torch.manual_seed(0)
@@ -63,7 +65,10 @@ class Setup:
         ]
         self.flats = [ms.flatten(tree) for tree in self.trees]
         with torch.no_grad():
-            self.expected = [ms.call(self.model, tree, self.x) for tree in self.trees]
+            self.expected = [functional_call(self.model, f, (self.x,)) for f in self.flats]
+            for tree, expected in zip(self.trees, self.expected, strict=True):
+                what = f"{MODEL}: ms.call vs functional_call, one thread"
+                assert_same_trees(expected, ms.call(self.model, tree, self.x), what=what)
         self.own = [dict(m._parameters) for m in self.model.modules()]
 
     def argument(self, impl: str, i: int) -> dict[str, Any]:
@@ -103,7 +108,7 @@ def _repair(setup: Setup) -> None:
     """functional_call from several threads leaves the module holding some thread's tree, and
     writes what the module held on exit into the caller's dict (another thread's tensors): put
     the module's own tensors back and make the dicts again, so that every run starts afresh."""
-    for module, own in zip(setup.model.modules(), setup.own):
+    for module, own in zip(setup.model.modules(), setup.own, strict=True):
         module._parameters.update(own)
     setup.flats = [ms.flatten(tree) for tree in setup.trees]
 
@@ -210,6 +215,8 @@ def test_thread_scaling(compare, threads, intra_op):
         return timed
 
     with intra_op_threads(intra_op):
+        run(threads, 2)()  # checked before timing too: every output right from the threads
+        assert wrong["n"] == 0
         compare(
             f"{_label(intra_op)}: ms.call {threads} threads x {CALLS} calls vs 1 x "
             f"{threads * CALLS} ({SHORT})",
@@ -233,6 +240,8 @@ def test_threads_beside_functional_call(compare, benchmark, threads, intra_op):
         return run
 
     with intra_op_threads(intra_op):
+        runner("ms.call")()  # checked before timing too: every output right from the threads
+        assert counts["ms.call"][0] == 0
         runner("torch.func.functional_call")()  # its wrong-output count goes in its name
         wrong, outputs = counts["torch.func.functional_call"]
         peer = f"torch.func.functional_call ({wrong}/{outputs} wrong)"

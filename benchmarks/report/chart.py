@@ -41,7 +41,7 @@ def plot_ratios(report: Report, path: Path, *, footer: str = "") -> str | None:
     colors = [FASTER if ratio <= 1 else SLOWER for ratio in ratios]
     rows = range(len(ratios))
     axes.barh(rows, [ratio - 1 for ratio in ratios], left=1.0, color=colors, height=0.7)
-    for row, peer in zip(rows, peers):
+    for row, peer in zip(rows, peers, strict=True):
         if peer.ratio_low is not None and peer.ratio_high is not None:
             axes.plot([peer.ratio_low, peer.ratio_high], [row, row], color="black", linewidth=0.8)
     axes.set_yticks(list(rows), labels, fontsize=8)
@@ -57,7 +57,7 @@ def plot_ratios(report: Report, path: Path, *, footer: str = "") -> str | None:
     ticks = [t for t in (fine if high / low <= 60 else coarse) if low <= t <= high]
     axes.minorticks_off()
     axes.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    for row, peer, ratio in zip(rows, peers, ratios):
+    for row, peer, ratio in zip(rows, peers, ratios, strict=True):
         # the label sits past the bar's end and past its whisker
         if ratio > 1:
             x, align = max(ratio, peer.ratio_high or ratio), "left"

@@ -62,7 +62,7 @@ def format_table(report: Report, *, wide: bool = False) -> str:
     def line(impl: str, seconds: float | None, spread: float | None, *rest: str) -> str:
         time = "-" if seconds is None else format_seconds(seconds)
         text = f"  {_clip(impl, IMPL_WIDTH):<{IMPL_WIDTH}}  {time:>9}  {format_spread(spread):>6}"
-        for cell, width in zip(rest, (6, 8)):
+        for cell, width in zip(rest, (6, 8)[: len(rest)], strict=True):
             text += f"  {cell:>{width}}"
         return text.rstrip()
 
@@ -125,7 +125,7 @@ def _format_wide(report: Report, has_overheads: bool) -> str:
     def render(row: tuple[str, ...]) -> str:
         cells = [
             cell.rjust(width) if i in right else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(row, widths))
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
         return "  ".join(cells).rstrip()
 
