@@ -54,6 +54,10 @@ from _ensemble_models import (
     hand_batched_resnet,
     zoo,
 )
+from modstate.ensemble._factory import (  # the seeds from_factory gives its members
+    draw_base_seed,
+    member_seed,
+)
 
 
 @dataclass(frozen=True)
@@ -257,14 +261,28 @@ def _peak_growth(how: str) -> dict[str, float]:
     _reset_peak()
     if how == "Ensemble.from_factory":
         built = ms.Ensemble.from_factory(memory_factory, MEMORY_MEMBERS)
-        stacked = sum(t.numel() * t.element_size() for t in built.parameters())
+        tensors = {name.removeprefix("stacked."): t for name, t in built.named_parameters()}
     elif how == "Ensemble(list of models)":
-        built = ms.Ensemble([memory_factory() for _ in range(MEMORY_MEMBERS)])
-        stacked = sum(t.numel() * t.element_size() for t in built.parameters())
+        built = ms.Ensemble(_members_as_from_factory_seeds_them())
+        tensors = {name.removeprefix("stacked."): t for name, t in built.named_parameters()}
     else:  # torch.func.stack_module_state, the tutorial's recipe
-        params, _ = stack_module_state([memory_factory() for _ in range(MEMORY_MEMBERS)])
-        stacked = sum(t.numel() * t.element_size() for t in params.values())
-    return {"growth_mb": _peak_mb() - before, "stacked_mb": stacked / 2**20}
+        tensors, _ = stack_module_state(_members_as_from_factory_seeds_them())
+    growth = _peak_mb() - before
+    stacked = sum(t.numel() * t.element_size() for t in tensors.values())
+    # What was built, for the check that the three ways build the same ensemble.
+    sums = {name: t.detach().sum(dtype=torch.float64).item() for name, t in tensors.items()}
+    return {"growth_mb": growth, "stacked_mb": stacked / 2**20, "sums": sums}
+
+
+def _members_as_from_factory_seeds_them() -> list[nn.Module]:
+    """The members, each built under the seed from_factory gives it, so that every way of
+    building makes the same ensemble (the check compares them)."""
+    base = draw_base_seed()
+    members = []
+    for index in range(MEMORY_MEMBERS):
+        torch.manual_seed(member_seed(base, index))
+        members.append(memory_factory())
+    return members
 
 
 def _status_mb(field: str) -> float | None:
@@ -318,7 +336,10 @@ def test_from_factory_peak_memory() -> None:
     """Peak memory is measured, not timed: each way of building runs in its own process, and
     the figures print (``-s``) beside the peers' (the report shows times only)."""
     report = memory_report()
+    built = report["Ensemble.from_factory"]["sums"]
     for how, figures in report.items():
+        # The same members stacked: each parameter's sum, bit for bit (same values, same order).
+        assert figures["sums"] == built, f"{how} built another ensemble than from_factory"
         print(_memory_line(how, figures))
     mine = report["Ensemble.from_factory"]
     assert mine["growth_mb"] <= 1.25 * mine["stacked_mb"]  # issue 17's bound
