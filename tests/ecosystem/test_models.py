@@ -227,6 +227,17 @@ def test_ensemble_equals_a_loop_of_copies(spec):
             assert route.fallback is None, route
 
 
+@pytest.mark.parametrize("spec", params(leave_out={"t5_eager"}))
+def test_ensemble_in_inference_equals_a_loop_of_copies(spec):
+    # Without autograd, CNNs run channels-last from their stem on (_kernels/conv.py).
+    models = copies(spec)
+    ensemble = ms.Ensemble(copies(spec))  # the same seeds (a deep copy of an fx graph trains)
+    with torch.no_grad():
+        expected = torch.stack([run(spec, model) for model in models])
+        out = spec.output(ensemble(*spec.inputs()))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec", params([m for m in MODELS if m.library == "torchvision"]))
 def test_ensemble_in_training_mode_updates_each_members_batch_norm_statistics(spec):
     models = [m.train() for m in copies(spec)]

@@ -54,7 +54,7 @@ def test_every_layer_has_a_route_and_every_fallback_a_reason():
     routes = routes_of(ensemble)
     assert routes["body.0"].how == "batched matmul" and routes["body.0"].fallback is None
     assert routes["body.1"].how == "elementwise"
-    assert routes["pool"].how == "no tensors of its own"
+    assert routes["pool"].how == "pooling over the members' channels"
     assert routes[""].fallback == "no batched kernel for WithToken"  # its own token
     assert "reading token" in routes[""].how
     assert routes["body.2"].fallback == "no batched kernel for Scaled"

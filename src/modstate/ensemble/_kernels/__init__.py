@@ -18,6 +18,7 @@ from .conv import ConvolutionKernel
 from .embedding import embedding_kernel
 from .linear import LinearKernel, TransposedLinearKernel, is_hugging_face_conv1d
 from .norm import BatchNormKernel, GroupNormKernel, LayerNormKernel
+from .pool import POOLS, pool_kernel
 
 Builder = Callable[[Any, KernelContext], "Kernel | MultiheadAttentionKernel | NoKernel"]
 
@@ -33,6 +34,7 @@ _BUILDERS: dict[type[nn.Module], Builder] = {
     nn.GroupNorm: GroupNormKernel,
     nn.Embedding: embedding_kernel,
     nn.MultiheadAttention: multihead_attention_kernel,
+    **dict.fromkeys(POOLS, pool_kernel),
 }
 
 KERNEL_TYPES: frozenset[type[nn.Module]] = frozenset(_BUILDERS)
