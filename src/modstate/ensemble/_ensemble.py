@@ -43,13 +43,12 @@ class Ensemble(nn.Module):
     members' channels: per-member statistics, train and eval), ``LayerNorm``, ``GroupNorm``,
     ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention`` (members folded
     into the attention batch), ``TransformerEncoderLayer`` and ``TransformerDecoderLayer`` (one
-    kernel each), Hugging Face's ``Conv1D``, and pooling layers (one pooling over the members'
-    channels; in inference on the CPU a CNN runs channels-last from its stem on). The code
-    between layers (residual adds, reshapes, activations, dropout) is batched by vmap; a layer
-    with tensors but no batched form runs as its own code under vmap, with the same results (the
-    plan says why). A
-    plain ``nn.Sequential`` of such layers called with one tensor runs the kernels in sequence
-    without vmap at all. Outputs, gradients and BatchNorm statistics equal the members run one by one.
+    kernel each), Hugging Face's ``Conv1D``, and pooling (in inference on the CPU, a CNN runs
+    channels-last from its stem on). The code between layers (residual adds, reshapes,
+    activations, dropout) is batched by vmap; a layer with tensors but no batched form runs as
+    its own code under vmap, with the same results (the plan says why). A plain ``nn.Sequential``
+    of such layers called with one tensor runs the kernels in sequence without vmap at all.
+    Outputs, gradients and BatchNorm statistics equal the members run one by one.
 
     Args:
         modules: the members: models of one architecture (same submodule types and training
