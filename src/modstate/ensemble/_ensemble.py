@@ -43,11 +43,10 @@ class Ensemble(nn.Module):
     members' channels: per-member statistics, train and eval), ``LayerNorm``, ``GroupNorm``,
     ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention`` (members folded
     into the attention batch), ``TransformerEncoderLayer`` and ``TransformerDecoderLayer`` (one
-    kernel each), Hugging Face's ``Conv1D``, and pooling (in inference on the CPU, a CNN runs
-    channels-last from its stem on). The code between layers (residual adds, reshapes,
-    activations, dropout) is batched by vmap; a layer with tensors but no batched form runs as
-    its own code under vmap, with the same results (the plan says why). A plain ``nn.Sequential``
-    of such layers called with one tensor runs the kernels in sequence without vmap at all.
+    kernel each), Hugging Face's ``Conv1D``, pooling (in inference on the CPU a CNN runs
+    channels-last from its stem on). Code between layers is batched by vmap; a layer with tensors
+    but no batched form runs as its own code under vmap, with the same results (the plan says
+    why). A plain ``nn.Sequential`` of such layers runs the kernels in sequence without vmap.
     Outputs, gradients and BatchNorm statistics equal the members run one by one.
 
     Args:
