@@ -75,6 +75,14 @@ def test_parts_that_do_not_fit_take_the_path_by_path_route_and_its_errors(monkey
     assert out.shape == (5, 4)
 
 
+def test_a_path_given_twice_in_one_part_as_a_dotted_key_and_nested_is_refused():
+    # One reader path for two entries: the compiled route would read one and drop the other.
+    model = nn.Sequential(nn.Linear(2, 1))
+    weight = {"0.weight": torch.ones(1, 2), "0": {"weight": torch.full((1, 2), 5.0)}}
+    with pytest.raises(ValueError, match=r"'0\.weight': given twice in one tree"):
+        ms.call(model, (weight, {"0": {"bias": torch.zeros(1)}}), torch.ones(1, 2))
+
+
 def test_a_tensor_where_the_plan_had_a_hole_is_not_ignored(monkeypatch):
     seen = spy_on_plans(monkeypatch)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))

@@ -24,7 +24,8 @@ class _Plan:
     (``readers``), which of them are None holes (``holes``), and each other leaf's index with its
     plan position (``positions``); for each plan position, the part and the leaf that fill it
     (``sources``). ``fits`` is False for structures that cannot take the compiled route (a
-    path the module lacks, given twice, or left out): the general route then says what is wrong,
+    path the module lacks, given twice, also as a dotted key beside its nested form, or left
+    out): the general route then says what is wrong,
     and the plan only spares finding that out again."""
 
     __slots__ = ("fits", "holes", "positions", "readers", "sources")
@@ -52,7 +53,11 @@ class _Plan:
                 sources[position] = (index, i)
                 where.append((i, position))
             self.positions.append(where)
-        self.fits = fits and all(source is not None for source in sources)
+        self.fits = (
+            fits
+            and all(source is not None for source in sources)
+            and all(reader.paths_are_distinct() for reader in self.readers)
+        )
         self.sources = sources
 
     def read(self, parts: Sequence[Any]) -> list[tuple[list[Any], list[Any]]] | None:
