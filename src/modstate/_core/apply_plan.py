@@ -47,6 +47,7 @@ class ApplyPlan:
         owners = buffer_owners(module)
         order: list[int | None] = [None] * len(position_of)
         self.buffers: list[tuple[int, int, weakref.ref[nn.Module] | None]] = []
+        nones: list[tuple[bool, ...]] = []
         fits = True
         offset = 0
         for reader, tree, is_state in (
@@ -54,6 +55,7 @@ class ApplyPlan:
             (self.state_reader, state, True),
         ):
             leaves = reader.read(tree)[0]  # type: ignore[index]
+            nones.append(tuple(map(_is, leaves, repeat(None))))
             for i, (path, leaf) in enumerate(zip(reader.paths, leaves, strict=True)):
                 if leaf is None:
                     continue
@@ -78,14 +80,7 @@ class ApplyPlan:
             and self.state_reader.paths_are_distinct()
         )
         self.order: list[int] = order  # type: ignore[assignment]
-        self.nones = (
-            self._nones(params, self.params_reader),
-            self._nones(state, self.state_reader),
-        )
-
-    @staticmethod
-    def _nones(tree: Mapping[str, Any], reader: TreeReader) -> tuple[bool, ...]:
-        return tuple(map(_is, reader.read(tree)[0], repeat(None)))  # type: ignore[index]
+        self.nones = tuple(nones)  # per tree, which of its leaves are None holes
 
     def read(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> list[Any] | None:
         """``params``' leaves followed by ``state``'s, or None if either is shaped otherwise

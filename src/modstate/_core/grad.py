@@ -168,9 +168,9 @@ class _Differentiated:
     def __init__(self, name: str, position: int, tree: Any, known: list[TreeReader]) -> None:
         self.tree = tree
         self.treedef: Any = None
-        self.reader = _known_reader(tree, known)
-        if self.reader is not None:
-            self.leaves = self.reader.read(tree)[0]  # type: ignore[index]
+        self.reader: TreeReader | None = None
+        if (known_read := _read_by_known_reader(tree, known)) is not None:
+            self.reader, self.leaves = known_read
         elif (leaves := _plain_leaves(tree)) is not None:
             self.leaves = leaves
         else:
@@ -216,15 +216,18 @@ class _Differentiated:
 _MOST_STRUCTURES = 4  # per argument; a training loop meets one
 
 
-def _known_reader(tree: Any, known: list[TreeReader]) -> TreeReader | None:
-    """The reader of ``tree``'s structure when ``tree`` is nested plain dicts of plain tensors
-    (no hole, no other node); a new one is remembered in ``known``. None for any other tree."""
+def _read_by_known_reader(
+    tree: Any, known: list[TreeReader]
+) -> tuple[TreeReader, list[Any]] | None:
+    """The reader of ``tree``'s structure and the leaves it read, when ``tree`` is nested plain
+    dicts of plain tensors (no hole, no other node); a new reader is remembered in ``known``.
+    None for any other tree."""
     if type(tree) is not dict:
         return None
     for reader in known:
         read = reader.read(tree)
         if read is not None and _only_tensors(read):
-            return reader
+            return reader, read[0]
     try:
         reader = TreeReader(tree)
     except TypeError:  # a key that is not a string
@@ -235,7 +238,7 @@ def _known_reader(tree: Any, known: list[TreeReader]) -> TreeReader | None:
     if len(known) >= _MOST_STRUCTURES:
         del known[0]
     known.append(reader)
-    return reader
+    return reader, read[0]
 
 
 def _only_tensors(read: tuple[list[Any], list[Any]]) -> bool:
