@@ -78,6 +78,18 @@ def test_meta_gradient_with_torch_func():
     torch.testing.assert_close(torch.func.grad(meta_loss)(lr), expected)
 
 
+def step_both(plain, tensors, steps: int = 5) -> tuple[tuple, tuple]:
+    """``(params, state)`` after ``steps`` steps of each optimizer on the same gradients."""
+    a, b = make_params(), make_params()
+    sa, sb = plain.init(a), tensors.init(b)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        grads = grads_like(a, generator)
+        a, sa = plain.step(a, grads, sa)
+        b, sb = tensors.step(b, grads, sb)
+    return (a, sa), (b, sb)
+
+
 def test_tensor_hyperparameters_give_the_numbers_of_plain_ones():
     plain = optim.adam(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
     tensors = optim.adam(
@@ -86,13 +98,7 @@ def test_tensor_hyperparameters_give_the_numbers_of_plain_ones():
         eps=torch.tensor(1e-6),
         weight_decay=torch.tensor(0.01),
     )
-    a, b = make_params(), make_params()
-    sa, sb = plain.init(a), tensors.init(b)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        grads = grads_like(a, generator)
-        a, sa = plain.step(a, grads, sa)
-        b, sb = tensors.step(b, grads, sb)
+    (a, _), (b, _) = step_both(plain, tensors)
     for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
@@ -105,14 +111,8 @@ def test_tensor_sgd_hyperparameters_give_the_numbers_of_plain_ones():
         dampening=torch.tensor(0.2),
         weight_decay=torch.tensor(0.01),
     )
-    a, b = make_params(), make_params()
-    sa, sb = plain.init(a), tensors.init(b)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        grads = grads_like(a, generator)
-        a, sa = plain.step(a, grads, sa)
-        b, sb = tensors.step(b, grads, sb)
-    for x, y in zip(optree.tree_leaves((a, sa)), optree.tree_leaves((b, sb)), strict=True):
+    ours, theirs = step_both(plain, tensors)
+    for x, y in zip(optree.tree_leaves(ours), optree.tree_leaves(theirs), strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
