@@ -133,7 +133,8 @@ def copy_buffers(
     plan: ApplyPlan, leaves: list[Any], module: nn.Module
 ) -> list[tuple[int, int, Tensor, int, bool]]:
     """Replace each buffer leaf by a clone, in place; per clone ``(index, position, clone, its
-    version, whether its owner is in training mode)``."""
+    version, whether its owner is in training mode)``. The version is read only in eval mode
+    (0 in training mode): a training owner's copies come back whatever it did to them."""
     copies = []
     for index, position, owner in plan.buffers:
         leaf = leaves[index]
@@ -142,7 +143,7 @@ def copy_buffers(
             leaves[index] = copy
             holder = module if owner is None else owner()
             training = holder is None or holder.training  # a holder gone: assume it wrote
-            copies.append((index, position, copy, version(copy), training))
+            copies.append((index, position, copy, 0 if training else version(copy), training))
     return copies
 
 

@@ -4,7 +4,9 @@
 model that per-operation dispatch costs about as much as the model itself. Outside any
 ``torch.func`` transform there is nothing to compose with, so plain autograd computes the same
 gradients: each differentiated leaf is detached and set to require grad, ``fn`` runs once, and
-``torch.autograd.grad`` takes the gradients, which costs what ``loss.backward()`` costs. Inside a
+the autograd engine takes the gradients as ``torch.autograd.grad`` would (entered directly for
+plain tensors, `torch_facts.scalar_gradients`), which costs what ``loss.backward()`` costs, or a
+little less (no per-call argument handling). Inside a
 transform (``vmap(ms.grad(f))``), or when a differentiated leaf already requires grad (an outer
 autograd computation, as in MAML, whose gradient must flow through this one), they are
 ``torch.func.grad`` / ``grad_and_value`` themselves.
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .readers import TreeReader
-from .torch_facts import functorch_active
+from .torch_facts import functorch_active, scalar_gradients
 
 Argnums = int | tuple[int, ...]
 
@@ -354,8 +356,14 @@ def _detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach() if value.requires_grad else value
     if type(value) is dict:
-        changed = {key: _detached(item) for key, item in value.items()}
-        return value if all(changed[key] is item for key, item in value.items()) else changed
+        copied: dict[Any, Any] | None = None
+        for key, item in value.items():
+            new = _detached(item)
+            if new is not item:
+                if copied is None:
+                    copied = dict(value)
+                copied[key] = new
+        return value if copied is None else copied
     if type(value) in (list, tuple):
         items = [_detached(item) for item in value]
         unchanged = all(new is old for new, old in zip(items, value, strict=True))
@@ -392,7 +400,7 @@ def _with_autograd(
         result = _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
         output, aux = _split_output(name, result, has_aux)
         found: Sequence[Tensor | None] = (
-            torch.autograd.grad(output, inputs, allow_unused=True)
+            scalar_gradients(output, inputs)
             if output.requires_grad
             else [None] * len(inputs)  # fn does not depend on the inputs: zero gradients
         )

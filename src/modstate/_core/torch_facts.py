@@ -54,3 +54,41 @@ def foreach_allowed(tensors: Iterable[Tensor]) -> bool:
     if functorch_active():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _engine_entry() -> Any:
+    """torch's own entry to the autograd engine under ``torch.autograd.grad`` (private: None
+    where a torch release moved it, and `scalar_gradients` then calls the public function)."""
+    try:
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:
+        return None
+    return _engine_run_backward
+
+
+_run_backward = _engine_entry()
+_Plain = frozenset({Tensor})
+
+
+def scalar_gradients(output: Tensor, inputs: list[Tensor]) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(output, inputs, allow_unused=True)`` for a real 0-dim ``output``.
+
+    For plain tensors with no ``__torch_function__`` override or mode in play, it enters the
+    engine as ``grad`` does (through the same entry, which keeps torch's backward logging and
+    context), without ``grad``'s argument checks and the general ``grad_outputs`` handling,
+    whose Python cost is a third of a small model's backward on the CPU (measured 39 of 87 µs
+    on a one-op graph). Same call, same result; anything else takes ``torch.autograd.grad``.
+    """
+    if (
+        _run_backward is None
+        or type(output) is not Tensor
+        or not output.dtype.is_floating_point
+        or set(map(type, inputs)) != _Plain
+        or torch.overrides.has_torch_function((output, *inputs))
+    ):
+        return torch.autograd.grad(output, inputs, allow_unused=True)
+    seed = torch.ones_like(output, memory_format=torch.preserve_format)
+    found: tuple[Tensor | None, ...] = _run_backward(
+        (output,), (seed,), False, False, tuple(inputs), True, accumulate_grad=False
+    )  # outputs, grad_outputs, retain_graph, create_graph, inputs, allow_unused: as grad calls it
+    return found

@@ -14,6 +14,7 @@ fact the analysis depends on is checked again.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,6 +71,9 @@ def in_place(leaves: StepLeaves, run: Run) -> bool:
     )
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _signature(tensors: list[Tensor]) -> list[tuple[Any, ...]]:
     return [(t.shape, t.dtype, t.stride(), t.is_cpu) for t in tensors]
 
@@ -111,7 +115,7 @@ def again(
         tensors = [*params_leaves, *grad_leaves, step]
         for leaves in buffers.values():
             tensors.extend(leaves)
-        if any(t.requires_grad for t in tensors):
+        if any(map(_requires_grad, tensors)):
             return None
     if torch.compiler.is_compiling():
         return None
