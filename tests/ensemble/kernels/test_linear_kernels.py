@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import modstate as ms
+
 from loop_reference import assert_like_the_loop
 
 
@@ -66,3 +68,83 @@ def test_hugging_face_conv1d_is_a_batched_matmul():
 
     ensemble = assert_like_the_loop(Projection, lambda: (torch.randn(2, 3, 5),))
     assert ensemble.plan.routes[0].how == "batched matmul"
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def stacked_weight_grads(ensemble: ms.Ensemble, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    ensemble.zero_grad(set_to_none=True)
+    ensemble(x).square().sum().backward()
+    return {name: p.grad for name, p in ensemble.named_parameters() if name.endswith("weight")}
+
+
+def test_weight_gradients_come_back_in_the_weights_layout_with_the_loops_values():
+    # bmm's own backward gives the transpose of a contiguous tensor, which .grad (torch's
+    # layout contract) and modstate's fused optimizers would copy at every step.
+    torch.manual_seed(0)
+    members = [mlp() for _ in range(3)]
+    ensemble, x = ms.Ensemble(members), torch.randn(4, 5)
+    grads = stacked_weight_grads(ensemble, x)
+    weights = {name: p for name, p in ensemble.named_parameters() if name.endswith("weight")}
+    assert grads.keys() == weights.keys() and len(grads) == 2
+    for name, grad in grads.items():
+        assert grad.stride() == weights[name].stride(), name
+    for i, member in enumerate(members):
+        member(x).square().sum().backward()
+        for (name, grad), layer in zip(grads.items(), (member[0], member[2]), strict=True):
+            torch.testing.assert_close(grad[i], layer.weight.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+    params, _ = ms.split(ensemble, detach=True)
+
+    def loss(p):
+        return ms.call(ensemble, p, x).square().sum()
+
+    for path, grad in ms.flatten(ms.grad(loss)(params)).items():
+        assert grad.stride() == ms.flatten(params)[path].stride(), path
+        assert torch.equal(grad, dict(ensemble.named_parameters())[path].grad), path
+
+
+def test_second_order_gradients_through_the_ensemble_equal_the_loops():
+    torch.manual_seed(0)
+    members = [mlp() for _ in range(3)]
+    ensemble, x = ms.Ensemble(members), torch.randn(4, 5)
+
+    def gradient_norm(out: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        grads = torch.autograd.grad(out.square().sum(), weights, create_graph=True)
+        return sum(g.square().sum() for g in grads)
+
+    stacked = [p for name, p in ensemble.named_parameters() if name.endswith("weight")]
+    got = torch.autograd.grad(gradient_norm(ensemble(x), stacked), stacked)
+    for i, member in enumerate(members):
+        weights = [member[0].weight, member[2].weight]
+        want = torch.autograd.grad(gradient_norm(member(x), weights), weights)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g[i], w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["torch.func.grad", "autocast", "no weight grad"])
+def test_the_plain_batched_matmul_runs_where_the_layout_kernel_does_not(where):
+    torch.manual_seed(0)
+    members = [mlp() for _ in range(3)]
+    ensemble, x = ms.Ensemble(members), torch.randn(4, 5)
+    params, _ = ms.split(ensemble, detach=True)
+    if where == "torch.func.grad":
+        grads = torch.func.grad(lambda p: ms.call(ensemble, p, x).square().sum())(params)
+        want = ms.grad(lambda p: ms.call(ensemble, p, x).square().sum())(params)
+        for path, grad in ms.flatten(grads).items():
+            torch.testing.assert_close(grad, ms.flatten(want)[path], atol=1e-6, rtol=1e-5)
+    elif where == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ensemble(x)
+        out.float().square().sum().backward()
+        assert out.dtype == torch.bfloat16
+        assert all(p.grad is not None for p in ensemble.parameters())
+    else:
+        for p in ensemble.parameters():
+            p.requires_grad_(False)
+        xg = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(ensemble(xg).square().sum(), [xg])
+        want = sum(torch.autograd.grad(m(xg).square().sum(), [xg])[0] for m in members)
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5)

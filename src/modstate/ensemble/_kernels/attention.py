@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._functorch import VmapSetAside, as_member_view, members_of
 from .base import KernelContext, NoKernel, member_front
+from .linear import stacked_affine
 
 _SDPA_NAMES = (
     "query",
@@ -197,11 +198,8 @@ class MultiheadAttentionKernel:
             qp, kp, vp, merged, causal, dropout, need_weights, average_attn_weights
         )
         out = out.transpose(1, 2).reshape(count, batch * length, self.embed)
-        out_weight = self.out_weight.get().transpose(1, 2)
-        if self.out_bias is None:
-            out = torch.bmm(out, out_weight)
-        else:
-            out = torch.baddbmm(self.out_bias.get().unsqueeze(1), out, out_weight)
+        out_bias = None if self.out_bias is None else self.out_bias.get()
+        out = stacked_affine(out, self.out_weight.get(), out_bias)
         out = out.view(count, batch, length, self.embed)
         if sample_dims == 2:
             out = out.squeeze(1)
@@ -314,11 +312,7 @@ class MultiheadAttentionKernel:
 
 def _affine(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ weight^T + bias`` for every member: ``x`` is ``(members, ..., in)``."""
-    rows = x.reshape(x.shape[0], -1, x.shape[-1])
-    if bias is None:
-        out = torch.bmm(rows, weight.transpose(1, 2))
-    else:
-        out = torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+    out = stacked_affine(x.reshape(x.shape[0], -1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

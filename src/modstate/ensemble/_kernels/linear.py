@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+
+from modstate._core.torch_facts import functorch_active
 
 from .base import KernelContext
 
@@ -48,14 +52,61 @@ class LinearKernel:
                 lead, rows = None, x
             else:
                 lead, rows = x.shape[1:-1], x.reshape(count, -1, x.shape[-1])
-        transposed = self.weights[self.weight_name].transpose(1, 2)  # type: ignore[union-attr]
-        if self.biases is None:
-            out = torch.bmm(rows, transposed)
-        else:
-            bias = self.biases[self.bias_name]
-            assert bias is not None
-            out = torch.baddbmm(bias.unsqueeze(1), rows, transposed)
+        weight = self.weights[self.weight_name]
+        bias = None if self.biases is None else self.biases[self.bias_name]
+        out = stacked_affine(rows, weight, bias)  # type: ignore[arg-type]
         return (out, 0) if lead is None else (out.view(count, *lead, out.shape[-1]), 0)
+
+
+def stacked_affine(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``rows @ weight^T + bias`` for every member: ``rows`` ``(members, n, in)``, ``weight``
+    ``(members, out, in)``, ``bias`` ``(members, out)``.
+
+    When plain autograd differentiates the weight, its gradient comes back in the weight's own
+    layout (`_AffineInWeightLayout`), as ``nn.Linear``'s does: ``torch.bmm``'s backward gives
+    the transpose of a contiguous tensor, and ``.grad`` (torch's gradient layout contract) or a
+    fused optimizer (`modstate.optim`) then copies every weight gradient at every step, a
+    transposing copy that took 255 µs of an 8-member MLP's 3.3 ms training step (one thread).
+    Under ``torch.func`` transforms, ``torch.compile`` and autocast it is plain ``bmm``."""
+    if (
+        weight.requires_grad
+        and torch.is_grad_enabled()
+        and weight.dtype.is_floating_point
+        and rows.dtype == weight.dtype
+        and not functorch_active()
+        and not torch.is_autocast_enabled(rows.device.type)
+        and not torch.compiler.is_compiling()
+    ):
+        return _AffineInWeightLayout.apply(rows, weight, bias)  # type: ignore[no-any-return]
+    if bias is None:
+        return torch.bmm(rows, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+
+
+class _AffineInWeightLayout(torch.autograd.Function):
+    """`stacked_affine` with the weight gradient computed as ``grad^T @ rows`` (what
+    ``F.linear``'s backward computes per member), so it is laid out as the weight is. The same
+    forward; the input gradient is ``bmm``'s own. The backward is made of differentiable ops, so
+    higher-order gradients go through it. Written with ``ctx`` in ``forward`` (no
+    ``setup_context``): measured 20 against 66 µs of overhead per call and its backward; the
+    ``torch.func`` transforms, which need ``setup_context``, take plain ``bmm`` instead."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        if bias is None:
+            return torch.bmm(rows, weight.transpose(1, 2))
+        return torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        rows, weight = ctx.saved_tensors
+        wants_rows, wants_weight, wants_bias = ctx.needs_input_grad
+        grad_rows = torch.bmm(grad, weight) if wants_rows else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), rows) if wants_weight else None
+        grad_bias = grad.sum(1) if ctx.has_bias and wants_bias else None
+        return grad_rows, grad_weight, grad_bias
 
 
 class TransposedLinearKernel:
