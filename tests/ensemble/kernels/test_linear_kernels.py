@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import modstate as ms
+from modstate.ensemble._kernels.linear import LAYOUT_KERNEL_ELEMENTS
 
 from loop_reference import assert_like_the_loop
 
@@ -71,13 +72,11 @@ def test_hugging_face_conv1d_is_a_batched_matmul():
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-def stacked_weight_grads(ensemble: ms.Ensemble, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    ensemble.zero_grad(set_to_none=True)
-    ensemble(x).square().sum().backward()
-    return {name: p.grad for name, p in ensemble.named_parameters() if name.endswith("weight")}
+    """Its middle layer, over 3 members, has `LAYOUT_KERNEL_ELEMENTS` weights or more; the
+    outer ones have fewer (plain ``bmm``, whose transposed gradient is cheap to copy)."""
+    return nn.Sequential(
+        nn.Linear(5, 128), nn.Tanh(), nn.Linear(128, 96), nn.Tanh(), nn.Linear(96, 3)
+    )
 
 
 def test_weight_gradients_come_back_in_the_weights_layout_with_the_loops_values():
@@ -86,24 +85,29 @@ def test_weight_gradients_come_back_in_the_weights_layout_with_the_loops_values(
     torch.manual_seed(0)
     members = [mlp() for _ in range(3)]
     ensemble, x = ms.Ensemble(members), torch.randn(4, 5)
-    grads = stacked_weight_grads(ensemble, x)
-    weights = {name: p for name, p in ensemble.named_parameters() if name.endswith("weight")}
-    assert grads.keys() == weights.keys() and len(grads) == 2
-    for name, grad in grads.items():
-        assert grad.stride() == weights[name].stride(), name
-    for i, member in enumerate(members):
-        member(x).square().sum().backward()
-        for (name, grad), layer in zip(grads.items(), (member[0], member[2]), strict=True):
-            torch.testing.assert_close(grad[i], layer.weight.grad, atol=1e-6, rtol=1e-5, msg=name)
-
     params, _ = ms.split(ensemble, detach=True)
 
     def loss(p):
         return ms.call(ensemble, p, x).square().sum()
 
-    for path, grad in ms.flatten(ms.grad(loss)(params)).items():
-        assert grad.stride() == ms.flatten(params)[path].stride(), path
+    grads = ms.flatten(ms.grad(loss)(params))
+    large = [path for path in grads if params_numel(params, path) >= LAYOUT_KERNEL_ELEMENTS]
+    assert large == ["stacked.2.weight"]
+    for path in large:
+        assert grads[path].stride() == ms.flatten(params)[path].stride(), path
+    ensemble(x).square().sum().backward()
+    for path, grad in grads.items():
         assert torch.equal(grad, dict(ensemble.named_parameters())[path].grad), path
+    for i, member in enumerate(members):
+        member(x).square().sum().backward()
+        for index in (0, 2, 4):
+            want = member[index].weight.grad
+            got = grads[f"stacked.{index}.weight"][i]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(index))
+
+
+def params_numel(params: dict, path: str) -> int:
+    return ms.flatten(params)[path].numel()
 
 
 def test_second_order_gradients_through_the_ensemble_equal_the_loops():
@@ -118,7 +122,7 @@ def test_second_order_gradients_through_the_ensemble_equal_the_loops():
     stacked = [p for name, p in ensemble.named_parameters() if name.endswith("weight")]
     got = torch.autograd.grad(gradient_norm(ensemble(x), stacked), stacked)
     for i, member in enumerate(members):
-        weights = [member[0].weight, member[2].weight]
+        weights = [member[0].weight, member[2].weight, member[4].weight]
         want = torch.autograd.grad(gradient_norm(member(x), weights), weights)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g[i], w, atol=1e-5, rtol=1e-5)
