@@ -82,6 +82,10 @@ def stacked_affine(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         and not torch.compiler.is_compiling()
     ):
         return _AffineInWeightLayout.apply(rows, weight, bias)  # type: ignore[no-any-return]
+    return _affine(rows, weight, bias)
+
+
+def _affine(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is None:
         return torch.bmm(rows, weight.transpose(1, 2))
     return torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
@@ -104,9 +108,7 @@ class _AffineInWeightLayout(torch.autograd.Function):
     def forward(ctx: Any, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
-        if bias is None:
-            return torch.bmm(rows, weight.transpose(1, 2))
-        return torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+        return _affine(rows, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
