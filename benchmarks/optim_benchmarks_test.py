@@ -15,7 +15,7 @@ Two groups per optimizer:
   ``fill_``, params and every buffer), which no pure step can avoid. A second floor makes the
   same trees while the last call's are still held, as a pure loop must (its inputs live until
   its outputs replace them); here the allocator cannot hand freed memory back, and the first
-  touch costs page faults (about twice the plain floor, measured on the 2-core CPU machine).
+  touch costs page faults (1.5-2x the plain floor, measured on the 2-core CPU machine).
 
 Targets (issue 18): best modstate donated <= 1.05 x best torch.optim; pure <= 1.2 x (best
 torch.optim + allocation floor). At the end the run prints both ratios per optimizer as a
