@@ -40,7 +40,7 @@ class Ensemble(nn.Module):
     form runs as one kernel on the stacked weights wherever it sits in the model: ``Linear``
     (batched matmul), ``Conv1d/2d/3d`` (grouped convolution; on the CPU a batched matmul when
     the output maps have at most 16 positions), ``BatchNorm1d/2d/3d`` (one batch norm over the
-    members' channels: per-member statistics, train and eval), ``LayerNorm``, ``GroupNorm``,
+    members' channels: per-member statistics, train and eval), ``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
     ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention`` (members folded
     into the attention batch), ``TransformerEncoderLayer`` and ``TransformerDecoderLayer`` (one
     kernel each), Hugging Face's ``Conv1D``, pooling (in inference on the CPU a CNN runs

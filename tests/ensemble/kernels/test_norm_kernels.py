@@ -92,13 +92,36 @@ LAYER_NORMS = {
     "group_norm": (lambda: nn.GroupNorm(2, 4), (3, 4, 5)),
     "group_norm_no_affine_images": (lambda: nn.GroupNorm(1, 4, affine=False), (2, 4, 3, 3)),
     "normed_residual_block": (NormedResidual, (2, 5, 8)),
+    "rms_norm": (lambda: nn.RMSNorm(6), (3, 6)),
+    "rms_norm_2d_default_eps": (lambda: nn.RMSNorm((2, 6), eps=None), (3, 2, 6)),
+    "rms_norm_no_weight": (
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6, elementwise_affine=False)),
+        (3, 6),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", LAYER_NORMS)
 @pytest.mark.parametrize("in_dims", [None, 0])
-def test_layer_and_group_norm_equal_the_members_one_by_one(case, in_dims):
+def test_layer_group_and_rms_norm_equal_the_members_one_by_one(case, in_dims):
     factory, shape = LAYER_NORMS[case]
     lead = () if in_dims is None else (3,)
     ensemble = assert_like_the_loop(factory, lambda: (torch.randn(*lead, *shape),), in_dims=in_dims)
     assert not ensemble.plan.fallbacks
+
+
+def test_rms_norm_equals_the_members_bit_for_bit_and_runs_its_own_code_in_bfloat16():
+    torch.manual_seed(0)
+    members = [nn.RMSNorm(6) for _ in range(3)]
+    with torch.no_grad():
+        for member in members:
+            member.weight.normal_()
+    ensemble, x = ms.Ensemble(members), torch.randn(4, 6)
+    assert ensemble.plan.routes[0].how == "RMS norm, per-member weight"
+    assert torch.equal(ensemble(x), torch.stack([member(x) for member in members]))
+    # torch scales by the weight before rounding back to bfloat16: the kernel would differ
+    low = ms.Ensemble([member.to(torch.bfloat16) for member in members])
+    assert [route.how for route in low.plan.fallbacks] == ["its own forward under vmap"]
+    assert "bfloat16 weight" in str(low.plan.fallbacks[0].fallback)
+    y = x.to(torch.bfloat16)
+    assert torch.equal(low(y), torch.stack([member(y) for member in members]))

@@ -17,7 +17,7 @@ from .base import Home, Kernel, KernelContext, NoKernel, NotStacked
 from .conv import ConvolutionKernel
 from .embedding import embedding_kernel
 from .linear import LinearKernel, TransposedLinearKernel, is_hugging_face_conv1d
-from .norm import BatchNormKernel, GroupNormKernel, LayerNormKernel
+from .norm import BatchNormKernel, GroupNormKernel, LayerNormKernel, rms_norm_kernel
 from .pool import POOLS, pool_kernel
 
 Builder = Callable[[Any, KernelContext], "Kernel | MultiheadAttentionKernel | NoKernel"]
@@ -31,6 +31,7 @@ _BUILDERS: dict[type[nn.Module], Builder] = {
     nn.BatchNorm2d: BatchNormKernel,
     nn.BatchNorm3d: BatchNormKernel,
     nn.LayerNorm: LayerNormKernel,
+    nn.RMSNorm: rms_norm_kernel,
     nn.GroupNorm: GroupNormKernel,
     nn.Embedding: embedding_kernel,
     nn.MultiheadAttention: multihead_attention_kernel,

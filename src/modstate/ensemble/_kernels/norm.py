@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import KernelContext, channels_side_by_side, member_front
+from .base import KernelContext, NoKernel, channels_side_by_side, member_front
 
 _BATCH_NORM_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
@@ -116,7 +116,9 @@ class LayerNormKernel:
             return None
         if bdim is not None and bdim >= x.dim() - len(normalized):
             x, bdim = x.movedim(bdim, 0), 0  # the member dim among the normalized ones
-        out = F.layer_norm(x, normalized, None, None, self.eps)
+        out = self._normalize(x)
+        if out is None:
+            return None
         if self.weight is None and self.bias is None:
             return (out, bdim) if bdim is not None else (out.expand(self.count, *out.shape), 0)
         if bdim is None:
@@ -130,6 +132,40 @@ class LayerNormKernel:
         if out.shape[bdim] != self.count:  # no affine term reached the member dim
             out = out.expand(*out.shape[:bdim], self.count, *out.shape[bdim + 1 :])
         return out, bdim
+
+    def _normalize(self, x: Tensor) -> Tensor | None:
+        return F.layer_norm(x, self.shape, None, None, self.eps)
+
+
+class RMSNormKernel(LayerNormKernel):
+    """N ``nn.RMSNorm`` layers: one ``rms_norm`` without weight over every member (it
+    normalizes each row alone), then the members' weights in one multiplication: the very ops
+    of ``F.rms_norm`` with a weight, in float32 and float64. In lower precisions torch scales
+    by the weight before rounding back, so those run the layer's own code under vmap."""
+
+    route = "RMS norm, per-member weight"
+
+    def __init__(self, module: nn.RMSNorm, context: KernelContext) -> None:
+        self.count = context.count
+        self.shape = tuple(module.normalized_shape)
+        self.rms_eps = module.eps  # None: torch's default for the dtype
+        self.weight = context.maybe_home(module.weight)
+        self.bias = None
+
+    def _normalize(self, x: Tensor) -> Tensor | None:
+        if x.dtype not in (torch.float32, torch.float64):
+            return None
+        return F.rms_norm(x, self.shape, None, self.rms_eps)
+
+
+def rms_norm_kernel(module: nn.RMSNorm, context: KernelContext) -> RMSNormKernel | NoKernel:
+    weight = module.weight
+    if weight is not None and weight.dtype not in (torch.float32, torch.float64):
+        return NoKernel(
+            f"a {weight.dtype} weight: torch scales by it before rounding, which a per-member "
+            "weight applied after the norm would not"
+        )
+    return RMSNormKernel(module, context)
 
 
 class GroupNormKernel:
