@@ -120,8 +120,11 @@ def test_rms_norm_equals_the_members_bit_for_bit_and_runs_its_own_code_in_bfloat
     assert ensemble.plan.routes[0].how == "RMS norm, per-member weight"
     assert torch.equal(ensemble(x), torch.stack([member(x) for member in members]))
     # torch scales by the weight before rounding back to bfloat16: the kernel would differ
-    low = ms.Ensemble([member.to(torch.bfloat16) for member in members])
+    low_members = [copy.deepcopy(member).to(torch.bfloat16) for member in members]
+    low = ms.Ensemble(low_members)
     assert [route.how for route in low.plan.fallbacks] == ["its own forward under vmap"]
     assert "bfloat16 weight" in str(low.plan.fallbacks[0].fallback)
     y = x.to(torch.bfloat16)
-    assert torch.equal(low(y), torch.stack([member(y) for member in members]))
+    assert torch.equal(low(y), torch.stack([member(y) for member in low_members]))
+    # a float32 weight with a bfloat16 input: the kernel steps aside at call time
+    assert torch.equal(ensemble(y), torch.stack([member(y) for member in members]))
