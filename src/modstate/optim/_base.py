@@ -212,7 +212,7 @@ class ElementwiseOptimizer:
             # Remember what this step found, for the next step of a donated loop (`_repeat`).
             remember = run.donated and leaves.simple and self._constant_hyperparameters()
             found = Repeat(leaves, state, self.scalar_names, kernel, hyper)
-            kept = found if remember and in_place(leaves, run) else None
+            kept = found if remember and in_place(run, leaves.params, leaves.buffers) else None
             object.__setattr__(self, "_repeat", kept)  # a cache, not a field
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
@@ -230,13 +230,9 @@ class ElementwiseOptimizer:
         self, repeat: Repeat, run: Run, names: tuple[str, ...]
     ) -> tuple[Tree, dict[str, Any]]:
         """The rest of a step that `_repeat` recognised as the next of a donated loop."""
-        before = (list(run.p), {name: list(run.buffers[name]) for name in names})
+        params, buffers = list(run.p), {name: list(run.buffers[name]) for name in names}
         new_scalars = self._update_run(run)
-        unchanged = all(a is b for a, b in zip(run.p, before[0], strict=True)) and all(
-            all(a is b for a, b in zip(run.buffers[name], before[1][name], strict=True))
-            for name in names
-        )
-        if not unchanged:
+        if not in_place(run, params, buffers):
             object.__setattr__(self, "_repeat", None)
         treedef = repeat.treedef
         new_state: dict[str, Any] = {"step": run.step, **new_scalars}

@@ -63,11 +63,12 @@ class Repeat:
         self.kernel, self.hyper = kernel, hyper
 
 
-def in_place(leaves: StepLeaves, run: Run) -> bool:
-    """Whether the step wrote every param and buffer in place (its outputs are its inputs)."""
-    return all(a is b for a, b in zip(run.p, leaves.params, strict=True)) and all(
+def in_place(run: Run, params: list[Any], buffers: Mapping[str, list[Any]]) -> bool:
+    """Whether the step wrote every param and buffer in place: its outputs are the very
+    `params` and `buffers` (name -> leaves) it was given."""
+    return all(a is b for a, b in zip(run.p, params, strict=True)) and all(
         all(a is b for a, b in zip(run.buffers[name], before, strict=True))
-        for name, before in leaves.buffers.items()
+        for name, before in buffers.items()
     )
 
 
