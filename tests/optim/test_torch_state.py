@@ -37,11 +37,17 @@ def grouped_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
 
 
+def stepped_adam(model: nn.Module, seed: int = 0) -> torch.optim.Optimizer:
+    """A grouped Adam over ``model`` after one step on the gradients of ``backward(model, seed)``."""
+    opt = grouped_optimizer("adam", model)
+    backward(model, seed)
+    opt.step()
+    return opt
+
+
 def test_optimizer_state_is_keyed_by_parameter_path():
     model = make_model()
-    opt = grouped_optimizer("adam", model)
-    backward(model, 0)
-    opt.step()
+    opt = stepped_adam(model)
     tree = optim.optimizer_state(opt, model)
     flat = ms.flatten(tree["state"])
     assert flat["2.weight.exp_avg"] is opt.state[model[2].weight]["exp_avg"]
@@ -118,9 +124,7 @@ def test_loaded_state_makes_the_next_step_identical(kind):
 
 def test_loaded_tree_is_copied_not_shared():
     model = make_model()
-    opt = grouped_optimizer("adam", model)
-    backward(model, 0)
-    opt.step()
+    opt = stepped_adam(model)
     tree = copy.deepcopy(optim.optimizer_state(opt, model))
     before = copy.deepcopy(tree)
     fresh_opt = grouped_optimizer("adam", model)
@@ -182,13 +186,8 @@ def broken_trees(tree):
 
 def test_trees_that_do_not_fit_are_refused_and_change_nothing():
     model = make_model()
-    opt = grouped_optimizer("adam", model)
-    backward(model, 0)
-    opt.step()
-    tree = copy.deepcopy(optim.optimizer_state(opt, model))
-    target = grouped_optimizer("adam", model)
-    backward(model, 1)
-    target.step()
+    tree = copy.deepcopy(optim.optimizer_state(stepped_adam(model), model))
+    target = stepped_adam(model, seed=1)
     before = copy.deepcopy(target.state_dict())
     for match, broken in broken_trees(tree):
         with pytest.raises(ValueError, match=match):
