@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import KernelContext, channels_side_by_side
+from .base import KernelContext, channels_side_by_side, fresh_view
 
 _CONVOLUTIONS: dict[type[nn.Module], Callable[..., Tensor]] = {
     nn.Conv1d: F.conv1d,
@@ -103,7 +103,7 @@ class ConvolutionKernel:
             self.dilation,
             groups,
         )
-        out = out.view(out.shape[0], count, weight.shape[1], *out.shape[2:])
+        out = fresh_view(out, out.shape[0], count, weight.shape[1], *out.shape[2:])
         if unbatched:
             return out.squeeze(0), 0
         return out, 1

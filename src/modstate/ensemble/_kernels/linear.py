@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from modstate._core.torch_facts import functorch_active
 
-from .base import KernelContext
+from .base import KernelContext, fresh_view
 
 
 class LinearKernel:
@@ -55,7 +55,7 @@ class LinearKernel:
         weight = self.weights[self.weight_name]
         bias = None if self.biases is None else self.biases[self.bias_name]
         out = stacked_affine(rows, weight, bias)  # type: ignore[arg-type]
-        return (out, 0) if lead is None else (out.view(count, *lead, out.shape[-1]), 0)
+        return (out, 0) if lead is None else (fresh_view(out, count, *lead, out.shape[-1]), 0)
 
 
 def stacked_affine(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -148,7 +148,7 @@ class TransposedLinearKernel:
             out = torch.bmm(rows, weight)
         else:
             out = torch.baddbmm(self.bias.get().unsqueeze(1), rows, weight)
-        return out.view(count, *lead, out.shape[-1]), 0
+        return fresh_view(out, count, *lead, out.shape[-1]), 0
 
 
 def is_hugging_face_conv1d(module: nn.Module) -> bool:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import KernelContext, NoKernel, channels_side_by_side, member_front
+from .base import KernelContext, NoKernel, channels_side_by_side, fresh_view, member_front
 
 _BATCH_NORM_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
@@ -66,7 +66,7 @@ class BatchNormKernel:
             0.0 if momentum is None else momentum,
             self.eps,
         )
-        return out.view(out.shape[0], self.count, -1, *out.shape[2:]), 1
+        return fresh_view(out, out.shape[0], self.count, -1, *out.shape[2:]), 1
 
     def _one_by_one(self, x: Tensor, bdim: int | None, momenta: list[float]) -> tuple[Tensor, int]:
         """Members whose batch counts differ, under ``momentum=None``: one batch norm each."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .base import KernelContext, NoKernel, channels_side_by_side
+from .base import KernelContext, NoKernel, channels_side_by_side, fresh_view
 
 POOLS: dict[type[nn.Module], int] = {
     pool: spatial
@@ -37,7 +37,7 @@ class PoolKernel:
             return None  # an unbatched sample: vmap runs the layer
         channels = channels_side_by_side(x, bdim, self.count)
         out = self.module(channels)
-        return out.view(out.shape[0], self.count, -1, *out.shape[2:]), 1
+        return fresh_view(out, out.shape[0], self.count, -1, *out.shape[2:]), 1
 
 
 def pool_kernel(module: nn.Module, context: KernelContext) -> PoolKernel | NoKernel:
