@@ -112,3 +112,17 @@ def assert_like_the_loop(
                 rtol=rtol,
             )
     return ensemble
+
+
+def backward_nodes(output: torch.Tensor) -> set[str]:
+    """The names of every node of ``output``'s backward graph (``"CopySlices"`` where autograd
+    rewrote a view that was written in place)."""
+    names, seen, todo = set(), set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names

@@ -11,7 +11,7 @@ from torch import nn
 
 import modstate as ms
 
-from loop_reference import assert_like_the_loop, seeded_members
+from loop_reference import assert_like_the_loop, backward_nodes, seeded_members
 
 
 class Glue(nn.Module):
@@ -160,3 +160,74 @@ def test_one_ensemble_called_from_several_threads_at_once(factory):
     assert wrong == []
     for model in [ensemble._template, ensemble.member(0)]:  # no forward left a kernel or a view
         assert all("forward" not in vars(m) for m in model.modules())
+
+
+class InPlaceBlock(nn.Module):
+    """torchvision's BasicBlock habits: ``ReLU(inplace=True)`` after a BatchNorm, and
+    ``out += identity`` on another BatchNorm's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+@pytest.mark.parametrize("in_dims", [None, 0])
+def test_in_place_writes_into_kernel_outputs_are_learned_then_cost_no_view_rewrite(in_dims):
+    lead = () if in_dims is None else (3,)
+    shape = (*lead, 2, 3, 5, 5)
+    ensemble = ms.Ensemble(seeded_members(InPlaceBlock), in_dims=in_dims)
+    with torch.no_grad():
+        ensemble(torch.randn(shape))  # without autograd there is nothing to learn
+    first = ensemble(torch.randn(shape))
+    # The first call with autograd notes which outputs forward wrote in place: both norms'.
+    assert "CopySlices" in backward_nodes(first)
+    runner = ensemble._runners.mine()
+    assert runner.written_in_place == {runner.module.bn1, runner.module.bn2}
+    assert "CopySlices" not in backward_nodes(ensemble(torch.randn(shape)))
+    # Every call, the first one included, equals the members one by one.
+    assert_like_the_loop(InPlaceBlock, lambda: (torch.randn(shape),), in_dims=in_dims)
+
+
+def test_in_place_writes_are_learned_by_each_threads_runner_with_exact_results():
+    import threading
+
+    ensemble = ms.Ensemble(seeded_members(InPlaceBlock)).train()
+    inputs = [torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def output_and_input_gradient(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.clone().requires_grad_()
+        out = ensemble(x)
+        return out.detach(), torch.autograd.grad(out.square().sum(), x)[0]
+
+    # Train mode normalizes with batch statistics: the running ones moving meanwhile change
+    # nothing that is compared.
+    expected = [output_and_input_gradient(x) for x in inputs]  # one thread, first
+    wrong: list[str] = []
+
+    def work(index: int) -> None:
+        try:
+            for call in range(50):
+                out, grad = output_and_input_gradient(inputs[index])
+                if not (
+                    torch.equal(out, expected[index][0]) and torch.equal(grad, expected[index][1])
+                ):
+                    wrong.append(f"thread {index}, call {call}")
+        except Exception as error:  # a thread's exception would otherwise go unseen
+            wrong.append(f"thread {index}: {error!r}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []

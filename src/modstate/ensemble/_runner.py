@@ -23,6 +23,12 @@ Attention written as ``F.scaled_dot_product_attention`` in a model's own code (H
 timm) is folded too: on the first call in each mode (training, eval) a ``TorchFunctionMode``
 watches the whole forward and notes which layers call it; afterwards the mode is entered only
 inside those layers, so the rest of the model does not pay for it.
+
+In-place ops of a model's own code on a kernel's output (torchvision's ``ReLU(inplace=True)``,
+``out += identity``) are learned the same way: on the first call with autograd on, the runner
+notes which kernels' outputs were written in place, and from then on hands those outputs to
+vmap with the member dim first (`fresh_members_first`), where vmap writes into them without
+autograd rewriting a view (the other outputs stay as they are, at no cost).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
@@ -43,6 +50,7 @@ from modstate._core.flat import flatten
 
 from ._functorch import VmapSetAside, as_member_view, ensemble_level, members_of, running
 from ._kernels import Home, KernelContext, MultiheadAttentionKernel, folded_attention
+from ._kernels.base import fresh_members_first
 from ._kernels.transformer import DecoderLayerKernel, EncoderLayerKernel
 from ._plan import Installed, plan_layers
 from ._vmap import InDims, StackedCall
@@ -80,10 +88,26 @@ class VmapRunner:
         self.distinct_homes = self.call.distinct([homes[id(t)] for t in flat.values()])
         self.folding = AttentionFolding(self)
         self._watched: set[bool] = set()  # training modes whose first call was watched
+        self.written_in_place: set[nn.Module] = set()  # layers whose output forward writes
+        self.outputs_watched: list[tuple[nn.Module, Tensor]] | None = None
+        self._in_place_learned = False
         self._scopes: dict[str, nn.Module] = {}
         self._lock = threading.Lock()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], in_dims: InDims) -> Any:
+        if self._in_place_learned or not torch.is_grad_enabled():
+            return self._run(args, kwargs, in_dims)
+        self.outputs_watched = []
+        try:
+            out = self._run(args, kwargs, in_dims)
+            watched = self.outputs_watched
+        finally:
+            self.outputs_watched = None
+        self.written_in_place.update(layer for layer, made in watched if made._version)
+        self._in_place_learned = bool(watched)
+        return out
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], in_dims: InDims) -> Any:
         training = self.module.training
         watch = training not in self._watched
         distinct = [home.get() for home in self.distinct_homes]
@@ -185,7 +209,7 @@ def _sharing_copy(template: nn.Module) -> nn.Module:
     return copied
 
 
-def _forward_of(what: Installed, layer: nn.Module, owner: object) -> Callable[..., Any]:
+def _forward_of(what: Installed, layer: nn.Module, owner: VmapRunner) -> Callable[..., Any]:
     if isinstance(what, MultiheadAttentionKernel):
         return _attention_forward(what, layer, owner)
     if isinstance(what, (EncoderLayerKernel, DecoderLayerKernel)):
@@ -195,7 +219,7 @@ def _forward_of(what: Installed, layer: nn.Module, owner: object) -> Callable[..
     return what  # type: ignore[return-value]  # a replacement forward (transformer blocks)
 
 
-def _layer_forward(kernel: Any, layer: nn.Module, owner: object) -> Callable[..., Any]:
+def _layer_forward(kernel: Any, layer: nn.Module, owner: VmapRunner) -> Callable[..., Any]:
     """``layer.forward`` for one input: the kernel inside ``owner``'s forward, the layer's own
     forward elsewhere or where the kernel has no batched form for the input."""
     own_forward = type(layer).forward
@@ -206,6 +230,11 @@ def _layer_forward(kernel: Any, layer: nn.Module, owner: object) -> Callable[...
             tensor, bdim = members_of(x, level)
             with VmapSetAside():
                 done = kernel(tensor, bdim)
+                if done is not None and done[1] != 0 and kernel.fresh and done[0].requires_grad:
+                    if layer in owner.written_in_place:
+                        done = fresh_members_first(*done), 0
+                    elif owner.outputs_watched is not None:
+                        owner.outputs_watched.append((layer, done[0]))
             if done is not None:
                 return as_member_view(done[0], done[1], level)
         return own_forward(layer, x, *rest, **options)

@@ -9,7 +9,7 @@ from torch import nn
 
 from modstate.ensemble._kernels.base import fresh_view
 
-from loop_reference import assert_like_the_loop
+from loop_reference import assert_like_the_loop, backward_nodes
 
 
 class LinearThenInPlaceRelu(nn.Module):
@@ -45,19 +45,6 @@ IN_PLACE_AFTER_KERNELS = {
     # A model's own forward, members first: vmap's in-place rule writes into the kernel's output.
     "forward with relu_": (LinearThenInPlaceRelu, (2, 8, 5)),
 }
-
-
-def backward_nodes(output: torch.Tensor) -> set[str]:
-    """The names of every node of ``output``'s backward graph."""
-    names, seen, todo = set(), set(), [output.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return names
 
 
 @pytest.mark.parametrize("case", IN_PLACE_AFTER_KERNELS)

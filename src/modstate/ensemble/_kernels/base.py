@@ -128,3 +128,19 @@ def fresh_view(out: Tensor, *shape: int) -> Tensor:
     if out.requires_grad and out._base is None:
         return _UNTRACKED_VIEW(out, shape)
     return out.view(shape)
+
+
+def fresh_members_first(out: Tensor, bdim: int) -> Tensor:
+    """``out.movedim(bdim, 0)`` for the output of a `fresh <Kernel.fresh>` kernel, made as
+    `fresh_view` makes its reshape: an in-place op on the result costs what it costs on ``out``.
+
+    Inside an ensemble's forward, vmap writes an in-place op (torchvision's
+    ``ReLU(inplace=True)``, ``out += identity``) into a tensor whose member dim is not first
+    through a view that moves it there, and autograd then rewrites that view's history (a clone
+    and a copy of the gradient in backward). With the member dim first already, vmap writes into
+    the result itself. The memory is not moved: the members stay side by side, as the next
+    convolution or BatchNorm reads them."""
+    moved = out.movedim(bdim, 0)
+    if out.requires_grad and out._base is None:
+        return _UNTRACKED_VIEW(moved, moved.shape)
+    return moved
