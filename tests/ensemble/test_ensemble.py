@@ -178,6 +178,18 @@ def test_compiled_ensemble_equals_eager():
     torch.testing.assert_close(compiled(x), ms.Ensemble(models)(x), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
+def test_torch_compile_of_a_second_ensemble_with_dynamic_false_as_the_docstring_says():
+    torch.compile(ms.Ensemble(seeded(mlp, 3)))(torch.randn(4, 5))
+    # The next ensemble compiled in this process gets dynamic shapes unless told otherwise.
+    convolutional = ms.Ensemble(
+        seeded(lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), 3)
+    ).eval()
+    x = torch.randn(2, 3, 6, 6)
+    compiled = torch.compile(convolutional, dynamic=False)
+    torch.testing.assert_close(compiled(x), convolutional(x), atol=ATOL, rtol=0)
+
+
 def test_mesh_none_is_the_one_process_ensemble():
     # Code that takes mesh from a launcher passes None on one process.
     models = seeded(mlp, 3)

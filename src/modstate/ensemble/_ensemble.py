@@ -40,11 +40,11 @@ class Ensemble(nn.Module):
     form runs as one kernel on the stacked weights wherever it sits in the model: ``Linear``
     (batched matmul), ``Conv1d/2d/3d`` (grouped convolution; on the CPU a batched matmul when
     the output maps have at most 16 positions), ``BatchNorm1d/2d/3d`` (one batch norm over the
-    members' channels: per-member statistics, train and eval), ``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
-    ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention`` (members folded
-    into the attention batch), ``TransformerEncoderLayer`` and ``TransformerDecoderLayer`` (one
-    kernel each), Hugging Face's ``Conv1D``, pooling (in inference on the CPU a CNN runs
-    channels-last from its stem on). Code between layers is batched by vmap; a layer with tensors
+    members' channels: per-member statistics, train and eval), ``LayerNorm``, ``RMSNorm``,
+    ``GroupNorm``, ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention``
+    (members folded into the attention batch), ``TransformerEncoderLayer`` and
+    ``TransformerDecoderLayer`` (one kernel each), Hugging Face's ``Conv1D``, pooling (in
+    inference on the CPU a CNN runs channels-last from its stem on). Code between layers is batched by vmap; a layer with tensors
     but no batched form runs as its own code under vmap, with the same results (the plan says
     why). A plain ``nn.Sequential`` of such layers runs the kernels in sequence without vmap.
     Outputs, gradients and BatchNorm statistics equal the members run one by one.
@@ -54,15 +54,15 @@ class Ensemble(nn.Module):
             mode, same tensor paths, shapes, dtypes and devices; see
             [`stack_modules`][modstate.stack_modules]).
         compile: wrap the forward in ``torch.compile(dynamic=False)`` (a new input shape
-            compiles again); eager is faster for small models, where guards cost more than they
-            save.
+            compiles again; eager is faster for small models). ``torch.compile(ensemble)``
+            works too; give it ``dynamic=False`` where a process compiles several ensembles
+            (inductor 2.13 fails on their convolutions under dynamic shapes).
         in_dims: how positional inputs map to members, as ``torch.vmap``'s: None (default)
             shares every input; 0: each input holds one slice per member along dim 0; a tuple
             gives one entry per input. Keyword arguments are always shared.
         randomness: ``torch.vmap``'s, with its default ``"error"``: a random op in a member
-            (dropout in training mode) is refused until you choose ``"different"`` (an
-            independent draw per member, like a loop over the models) or ``"same"`` (one draw
-            shared by all).
+            (dropout in training mode) is refused until you choose ``"different"`` (a draw per
+            member, like a loop over the models) or ``"same"`` (one draw shared by all).
         fast: False runs the whole model under ``torch.vmap`` without batched kernels (the
             reference path, for comparison).
         mesh: None (default) for a one-process ensemble; a 1-D ``DeviceMesh`` spreads the
