@@ -207,6 +207,35 @@ def test_fused_steps_take_gradients_in_any_memory_layout(name, donate):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_a_donated_loop_lays_out_transposed_gradients_at_every_repeated_step(name):
+    """From its second step a donated loop reuses the first step's analysis, which knows the
+    state shares the params' layout; a gradient laid out otherwise is still laid out first."""
+    kwargs = {"lr": 0.1, "fused": True, **({"momentum": 0.9} if name == "sgd" else {})}
+    opt = getattr(optim, name)(**kwargs)
+    generator = torch.Generator().manual_seed(8)
+    start = {
+        "w": torch.randn(4, 6, 5, generator=generator),
+        "b": torch.randn(6, generator=generator),
+    }
+    grads = [
+        {"w": torch.randn(4, 5, 6, generator=generator).transpose(1, 2), "b": torch.randn(6)}
+        for _ in range(5)
+    ]
+    grads[0]["w"] = grads[0]["w"].contiguous()  # the first step sees torch's layout
+    donated, donated_state = ms.tree.clone(start), opt.init(start)
+    pure, pure_state = ms.tree.clone(start), opt.init(start)
+    for step_grads in grads:
+        before = donated["w"]
+        donated, donated_state = opt.step(donated, step_grads, donated_state, donate=True)
+        assert donated["w"] is before  # written in place, step after step
+        contiguous = {k: v.contiguous() for k, v in step_grads.items()}
+        pure, pure_state = opt.step(pure, contiguous, pure_state)
+        assert all(torch.equal(a, b) for a, b in zip(leaves(donated), leaves(pure), strict=True))
+        for a, b in zip(leaves(donated_state), leaves(pure_state), strict=True):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("flags", [{"foreach": True}, {"foreach": False}], ids=str)
 @pytest.mark.parametrize(("name", "factory", "torch_class", "options"), CASES[::2], ids=str)
 def test_large_trees_stepped_chunk_by_chunk_keep_torchs_numbers(

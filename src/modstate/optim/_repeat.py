@@ -41,6 +41,7 @@ class Repeat:
         "scalar_ids",
         "signature",
         "step_id",
+        "strides",
         "treedef",
     )
 
@@ -59,6 +60,7 @@ class Repeat:
         self.scalar_ids = [id(state[name]) for name in scalar_names]
         self.keys = set(state)
         self.signature = _signature(leaves.params)
+        self.strides = [signature[2] for signature in self.signature]
         self.grad_signature = [(leaf.shape, leaf.dtype) for leaf in leaves.params]
         self.kernel, self.hyper = kernel, hyper
 
@@ -133,4 +135,5 @@ def again(
         {name: state[name] for name in scalar_names},
         True,
         new_step,
+        repeat.strides,
     )

@@ -43,6 +43,7 @@ class Run:
         "g",
         "hyper",
         "kernel",
+        "layout",
         "once",
         "ops",
         "own_buffers",
@@ -65,6 +66,7 @@ class Run:
         scalars: dict[str, Tensor],
         donate: bool,
         step: Tensor,
+        layout: list[tuple[int, ...]] | None = None,
     ) -> None:
         self.kernel = kernel
         self.ops = ops
@@ -76,6 +78,8 @@ class Run:
         self.own_p = self.own_buffers = self.donated
         self.own_g = False
         self.step = step
+        # The params' strides where the buffers are known to share them (a repeated step).
+        self.layout = layout
         self.once: dict[str, Any] = {}  # what a step computes once, shared by its chunks
 
     def chunk(self, start: int, stop: int) -> Run:
@@ -92,6 +96,7 @@ class Run:
             self.scalars,
             self.donated,
             self.step,
+            None if self.layout is None else self.layout[start:stop],
         )
         part.once = self.once
         return part
@@ -147,7 +152,7 @@ class Run:
         if not (self.own_p and self.own_buffers):
             params = [leaf.clone() for leaf in params]
             buffers = [[leaf.clone() for leaf in leaves] for leaves in buffers]
-        grads = _aligned(params, grads, buffers)
+        grads = _aligned(params, grads, buffers, self.layout)
         keys = [(p.get_device(), p.dtype) for p in params]  # get_device: -1 on the CPU
         for key in dict.fromkeys(keys):
             indices = [i for i, k in enumerate(keys) if k == key]
@@ -169,18 +174,29 @@ class Run:
         self.own_buffers = True
 
 
-def _aligned(params: Leaves, grads: Leaves, buffers: list[Leaves]) -> Leaves:
+def _aligned(
+    params: Leaves,
+    grads: Leaves,
+    buffers: list[Leaves],
+    layout: list[tuple[int, ...]] | None = None,
+) -> Leaves:
     """Make every leaf's gradient and buffers share its param's memory layout, as the fused
     kernels need: they walk the three tensors' memory in step, and torch.optim's gradients
     always match their param's layout (autograd's gradient layout contract), where a gradient
     from ``torch.autograd.grad`` (a batched matmul's, say) may be a transposed view. A param
-    that is not dense is replaced by a contiguous copy first. Returns the grads (a new list
+    that is not dense is replaced by a contiguous copy first. `layout`, when given, is the
+    params' strides, which the buffers are known to share (a repeated donated step: the last
+    step laid them out), so only the gradients are checked. Returns the grads (a new list
     where one was copied); params and buffers are updated in their lists."""
-    strides = [param.stride() for param in params]
-    if [grad.stride() for grad in grads] == strides and all(
-        [leaf.stride() for leaf in leaves] == strides for leaves in buffers
-    ):
-        return grads  # the common case: every layout matches already
+    if layout is not None:
+        if [grad.stride() for grad in grads] == layout:
+            return grads
+    else:
+        strides = [param.stride() for param in params]
+        if [grad.stride() for grad in grads] == strides and all(
+            [leaf.stride() for leaf in leaves] == strides for leaves in buffers
+        ):
+            return grads  # the common case: every layout matches already
     aligned = grads
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
         stride = param.stride()
