@@ -44,9 +44,9 @@ class Ensemble(nn.Module):
     ``GroupNorm``, ``Embedding``, ``MultiheadAttention`` and ``F.scaled_dot_product_attention``
     (members folded into the attention batch), ``TransformerEncoderLayer`` and
     ``TransformerDecoderLayer`` (one kernel each), Hugging Face's ``Conv1D``, pooling (in
-    inference on the CPU a CNN runs channels-last from its stem on). Code between layers is batched by vmap; a layer with tensors
-    but no batched form runs as its own code under vmap, with the same results (the plan says
-    why). A plain ``nn.Sequential`` of such layers runs the kernels in sequence without vmap.
+    inference on the CPU a CNN runs channels-last from its stem on). Code between layers is
+    batched by vmap; a layer with tensors but no batched form runs as its own code under vmap,
+    with the same results (the plan says why); a plain ``nn.Sequential`` of them runs without vmap.
     Outputs, gradients and BatchNorm statistics equal the members run one by one.
 
     Args:

@@ -118,13 +118,12 @@ def fresh_view(out: Tensor, *shape: int) -> Tensor:
     ``Sequential``, which the chain runs in place) makes autograd rewrite the view's history:
     in backward the gradient is then cloned and copied back through the view's base once more.
     Measured on an 8-member BatchNorm MLP's training step on a 2-core CPU: 5-7% of the step.
-    (In a model's own ``forward``, vmap's in-place rule still writes through a view of an output
-    whose member dim is not first, BatchNorm's and convolutions', and autograd still rewrites
-    that one.) Here nothing but the
-    result holds ``out`` (it is new and the kernel's backward does not keep it), so the result
-    may own its history: ``aten._unsafe_view``, the reshape torch's own ``matmul`` uses for that
-    reason. Without autograd, or when ``out`` is itself a view of something else, it is a plain
-    ``view``."""
+    Here nothing but the result holds ``out`` (it is new and the kernel's backward does not
+    keep it), so the result may own its history: ``aten._unsafe_view``, the reshape torch's own
+    ``matmul`` uses for that reason. Without autograd, or when ``out`` is itself a view of
+    something else, it is a plain ``view``. (In a model's own ``forward``, vmap writes an
+    in-place op on an output whose member dim is not first through a view of its own: see
+    `fresh_members_first`.)"""
     if out.requires_grad and out._base is None:
         return _UNTRACKED_VIEW(out, shape)
     return out.view(shape)
