@@ -12,6 +12,7 @@ from torch import nn
 
 import modstate as ms
 
+from loop_reference import assert_like_the_loop
 from members import ATOL, cnn, loop, seeded
 from zoo import assert_unchanged, snapshot
 
@@ -161,3 +162,68 @@ def test_a_sequential_with_hooks_runs_under_vmap_so_the_hooks_run():
     out = ensemble(torch.randn(3, 5))
     assert calls and calls[-1] == (3, 16)  # each member's view: the hook sees one model
     torch.testing.assert_close(out, loop(models, torch.randn(3, 5)) * 0 + out)
+
+
+ROWS = {
+    "batch_norm_mlp": lambda: nn.Sequential(
+        nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+        nn.BatchNorm1d(8, affine=False, momentum=0.3), nn.Tanh(), nn.Linear(8, 2, bias=False),
+    ),
+    "no_running_statistics": lambda: nn.Sequential(
+        nn.Linear(5, 6), nn.BatchNorm1d(6, track_running_stats=False), nn.SiLU(), nn.Linear(6, 2)
+    ),
+    # A cumulative average (momentum=None) runs batch-major from its BatchNorm on.
+    "cumulative_average_midway": lambda: nn.Sequential(
+        nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None),
+        nn.ReLU(), nn.Linear(6, 2),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ROWS)
+@pytest.mark.parametrize("in_dims", [None, 0])
+def test_rows_run_features_first_and_equal_the_loop(case, in_dims):
+    lead = () if in_dims is None else (3,)
+    # Two training calls (the statistics move), then eval (which reads them).
+    ensemble = assert_like_the_loop(
+        ROWS[case], lambda: (torch.randn(*lead, 7, 5),), in_dims=in_dims
+    )
+    assert "features first" in ensemble.plan.summary
+    ensemble.train()
+    ensemble(torch.randn(*lead, 7, 5)).square().sum().backward()
+    for name, parameter in ensemble.named_parameters():  # in its own layout, as nn.Linear's
+        assert parameter.grad.stride() == parameter.stride(), name
+
+
+def test_features_first_second_order_gradients_equal_the_loops():
+    torch.manual_seed(0)
+    members = [ROWS["batch_norm_mlp"]().double() for _ in range(3)]
+    ensemble, x = ms.Ensemble(copy.deepcopy(members)), torch.randn(7, 5, dtype=torch.float64)
+
+    def gradient_norm(out: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        grads = torch.autograd.grad(out.square().sum(), weights, create_graph=True)
+        return sum(g.square().sum() for g in grads)
+
+    names = ["0.weight", "1.weight", "3.weight", "6.weight"]
+    stacked = [ensemble.stacked.get_parameter(name) for name in names]
+    got = torch.autograd.grad(gradient_norm(ensemble(x), stacked), stacked)
+    for i, member in enumerate(members):
+        weights = [member.get_parameter(name) for name in names]
+        want = torch.autograd.grad(gradient_norm(member(x), weights), weights)
+        for g, w, name in zip(got, want, names, strict=True):
+            torch.testing.assert_close(g[i], w, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.0), nn.Linear(4, 2)),
+        lambda: nn.Sequential(nn.ReLU(), nn.Linear(5, 2)),
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4)),
+    ],
+    ids=["dropout", "activation_first", "layer_norm"],
+)
+def test_other_chains_run_batch_major(factory):
+    ensemble = assert_like_the_loop(factory, lambda: (torch.randn(7, 5),))
+    summary = ensemble.plan.summary
+    assert "without vmap" in summary and "features first" not in summary

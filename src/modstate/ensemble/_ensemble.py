@@ -319,10 +319,7 @@ class Ensemble(nn.Module):
         if not self.fast:
             summary = "the whole model under torch.vmap (fast=False, the reference path)"
         elif self._chain is not None:
-            summary = (
-                "a Sequential of batched kernels run in sequence, without vmap (other calls "
-                "than one tensor run the model under torch.vmap)"
-            )
+            summary = self._chain.summary()
         else:
             summary = (
                 "the model's forward under torch.vmap, batched kernels where the layers have "

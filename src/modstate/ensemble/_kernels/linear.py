@@ -57,6 +57,17 @@ class LinearKernel:
         out = stacked_affine(rows, weight, bias)  # type: ignore[arg-type]
         return (out, 0) if lead is None else (fresh_view(out, count, *lead, out.shape[-1]), 0)
 
+    def features_first(self, h: Tensor) -> Tensor:
+        """The layers on rows held features first: ``h`` is ``(members, in, batch)``, the
+        result ``(members, out, batch)``, ``weight @ h + bias`` per member. Both of its
+        gradients come out of ``bmm``'s backward in their tensor's own layout, the weight's
+        as ``nn.Linear``'s does."""
+        weight: Tensor = self.weights[self.weight_name]  # type: ignore[assignment]
+        if self.biases is None:
+            return torch.bmm(weight, h)
+        bias: Tensor = self.biases[self.bias_name]  # type: ignore[assignment]
+        return torch.baddbmm(bias.unsqueeze(2), weight, h)
+
 
 def stacked_affine(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``rows @ weight^T + bias`` for every member: ``rows`` ``(members, n, in)``, ``weight``

@@ -3,6 +3,8 @@ per-member affine parameters."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,10 +40,37 @@ class BatchNormKernel:
     def __call__(self, x: Tensor, bdim: int | None) -> tuple[Tensor, int] | None:
         if x.dim() - (bdim is not None) not in self.dims:
             return None
+        arguments = self._arguments()
+        if arguments is None:
+            return None
+        if isinstance(arguments, list):  # members whose batch counts differ
+            return self._one_by_one(x, bdim, arguments)
+        out = F.batch_norm(channels_side_by_side(x, bdim, self.count), *arguments)
+        return fresh_view(out, out.shape[0], self.count, -1, *out.shape[2:]), 1
+
+    def features_first(self, h: Tensor) -> Tensor | None:
+        """A ``BatchNorm1d`` on rows held features first: ``h`` is ``(members, features,
+        batch)``, and so is the result. One batch norm over ``(1, members * features, batch)``:
+        each channel's statistics are still its member's, over the batch. None where it cannot
+        (a cumulative average, ``momentum=None``, in training, or statistics not contiguous)."""
+        if self.momentum is None and self.module.training and self.tracked:
+            return None
+        arguments = self._arguments()
+        if not isinstance(arguments, tuple):
+            return None
+        members, features, batch = h.shape
+        out = F.batch_norm(h.reshape(1, members * features, batch), *arguments)
+        return fresh_view(out, members, features, batch)
+
+    def _arguments(self) -> tuple[Any, ...] | list[float] | None:
+        """``F.batch_norm``'s arguments after the input, for the members' channels side by side
+        (the batch counter moves, as ``nn.BatchNorm`` moves it); each member's momentum where
+        ``momentum=None`` and their batch counts differ; None where the stacked statistics are
+        not contiguous (the flat view the kernel updates in place needs them so)."""
         running_mean = self.mean.get() if self.mean is not None else None
         running_var = self.var.get() if self.var is not None else None
         if not all(t is None or t.is_contiguous() for t in (running_mean, running_var)):
-            return None  # the flat view the kernel updates in place needs contiguous statistics
+            return None
         training = self.module.training
         momentum = self.momentum
         if training and self.tracked and self.counter is not None:
@@ -50,23 +79,18 @@ class BatchNormKernel:
             if momentum is None:  # the cumulative average: 1 / each member's own batch count
                 counts = counter.tolist()
                 if len(set(counts)) > 1:
-                    return self._one_by_one(x, bdim, [1.0 / c for c in counts])
+                    return [1.0 / c for c in counts]
                 momentum = 1.0 / counts[0]
         keep_statistics = not training or self.tracked
-        weight = self.weight.get().flatten() if self.weight is not None else None
-        bias = self.bias.get().flatten() if self.bias is not None else None
-        channels = channels_side_by_side(x, bdim, self.count)
-        out = F.batch_norm(
-            channels,
+        return (
             running_mean.view(-1) if keep_statistics and running_mean is not None else None,
             running_var.view(-1) if keep_statistics and running_var is not None else None,
-            weight,
-            bias,
+            self.weight.get().flatten() if self.weight is not None else None,
+            self.bias.get().flatten() if self.bias is not None else None,
             training or running_mean is None,
             0.0 if momentum is None else momentum,
             self.eps,
         )
-        return fresh_view(out, out.shape[0], self.count, -1, *out.shape[2:]), 1
 
     def _one_by_one(self, x: Tensor, bdim: int | None, momenta: list[float]) -> tuple[Tensor, int]:
         """Members whose batch counts differ, under ``momentum=None``: one batch norm each."""
