@@ -227,3 +227,16 @@ def test_other_chains_run_batch_major(factory):
     ensemble = assert_like_the_loop(factory, lambda: (torch.randn(7, 5),))
     summary = ensemble.plan.summary
     assert "without vmap" in summary and "features first" not in summary
+
+
+def test_features_first_under_torch_func_grad_equals_plain_autograd():
+    ensemble = ms.Ensemble(seeded(ROWS["batch_norm_mlp"], 3))
+    params, state = ms.split(ensemble, detach=True)
+    x = torch.randn(7, 5)
+
+    def loss(p: dict) -> torch.Tensor:
+        return ms.apply(ensemble, p, state, x)[0].square().sum()
+
+    want = ms.flatten(ms.grad(loss)(params))
+    for path, grad in ms.flatten(torch.func.grad(loss)(params)).items():
+        torch.testing.assert_close(grad, want[path], atol=1e-5, rtol=1e-5, msg=path)
