@@ -132,19 +132,22 @@ def test_ensemble_batchnorm_statistics_update_per_member():
         )
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["one_sample", "rows_features_first"])
 @pytest.mark.parametrize("fast", [True, False])
-def test_dropout_masks_follow_randomness(fast):
+def test_dropout_masks_follow_randomness(fast, rows):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5))
     models = [model, copy.deepcopy(model), copy.deepcopy(model)]
-    x = torch.ones(6)
+    x = torch.ones(4, 6) if rows else torch.ones(6)
     reference = loop([m.eval() for m in models], x)
     for m in models:
         m.train()
     out = ms.Ensemble(models, randomness="different", fast=fast)(x)
     assert not torch.equal(out[0] == 0, out[1] == 0)
-    same = ms.Ensemble(models, randomness="same", fast=fast)(x)
-    assert torch.equal(same[0], same[2])
+    same = ms.Ensemble(models, randomness="same", fast=fast)
+    drawn = same(x)
+    assert torch.equal(drawn[0], drawn[2])
+    assert ("features first" in same.plan.summary) == fast  # where the input is rows
     refuses = ms.Ensemble(models, fast=fast)  # the default, as vmap_call's: "error"
     assert refuses.randomness == "error"
     with pytest.raises(RuntimeError, match="randomness"):
@@ -217,11 +220,11 @@ def test_features_first_second_order_gradients_equal_the_loops():
 @pytest.mark.parametrize(
     "factory",
     [
-        lambda: nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.0), nn.Linear(4, 2)),
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.Flatten(), nn.Linear(4, 2)),
         lambda: nn.Sequential(nn.ReLU(), nn.Linear(5, 2)),
         lambda: nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4)),
     ],
-    ids=["dropout", "activation_first", "layer_norm"],
+    ids=["flatten", "activation_first", "layer_norm"],
 )
 def test_other_chains_run_batch_major(factory):
     ensemble = assert_like_the_loop(factory, lambda: (torch.randn(7, 5),))

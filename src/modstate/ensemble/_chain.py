@@ -9,7 +9,8 @@ runs in place on that layer's new output, which saves allocating one large tenso
 the gradients are the same. A kernel that has no batched form for an input runs that one layer
 under vmap.
 
-A chain of ``Linear`` and ``BatchNorm1d`` layers and activations on rows runs features first:
+A chain of ``Linear`` and ``BatchNorm1d`` layers, activations and ``Dropout`` on rows runs
+features first:
 every layer's activations are ``(members, features, batch)``, each Linear is ``weight @ h``
 and each BatchNorm one batch norm over the members' features as channels, so that no layout
 changes between layers (the batch-major form copies each BatchNorm's input to put the members'
@@ -139,10 +140,11 @@ def _features_first(
     layer: nn.Module, step: Step, kernel: object, done: list[FeaturesFirstStep]
 ) -> list[FeaturesFirstStep] | None:
     """``done`` with ``layer``'s features-first step added; None where the chain cannot run
-    features first: a layer other than ``Linear``, ``BatchNorm1d`` and the activations, or a
-    chain that does not start with a ``Linear``."""
-    if type(layer) in ELEMENTWISE and done:
-        done.append(lambda h: step(h, 0)[0])  # elementwise: the layout does not matter
+    features first: a layer other than ``Linear``, ``BatchNorm1d``, the activations and
+    ``Dropout``, or a chain that does not start with a ``Linear``."""
+    if (type(layer) in ELEMENTWISE or type(layer) is nn.Dropout) and done:
+        # Elementwise, and Dropout's masks follow randomness on any layout with members first.
+        done.append(lambda h: step(h, 0)[0])
         return done
     if type(kernel) is LinearKernel or (
         type(kernel) is BatchNormKernel and type(layer) is nn.BatchNorm1d and done
