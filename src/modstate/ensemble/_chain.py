@@ -10,11 +10,11 @@ the gradients are the same. A kernel that has no batched form for an input runs 
 under vmap.
 
 A chain of ``Linear`` and ``BatchNorm1d`` layers, activations and ``Dropout`` on rows runs
-features first:
-every layer's activations are ``(members, features, batch)``, each Linear is ``weight @ h``
-and each BatchNorm one batch norm over the members' features as channels, so that no layout
-changes between layers (the batch-major form copies each BatchNorm's input to put the members'
-features side by side) and every gradient comes out of its matmul in its tensor's own layout.
+features first: every layer's activations are ``(members, features, batch)``, each Linear is
+``weight @ h`` and each BatchNorm one batch norm over the members' features as channels, so that
+no layout changes between layers (the batch-major form copies each BatchNorm's input to put the
+members' features side by side) and every gradient comes out of its matmul in its tensor's own
+layout.
 Measured on an 8-member 64-128(BN)-128(BN)-10 MLP, forward and backward: 1.7 ms against 2.5 ms
 batch-major, on a 2-core CPU.
 """

@@ -188,15 +188,12 @@ def _aligned(
     params' strides, which the buffers are known to share (a repeated donated step: the last
     step laid them out), so only the gradients are checked. Returns the grads (a new list
     where one was copied); params and buffers are updated in their lists."""
-    if layout is not None:
-        if [grad.stride() for grad in grads] == layout:
-            return grads
-    else:
-        strides = [param.stride() for param in params]
-        if [grad.stride() for grad in grads] == strides and all(
-            [leaf.stride() for leaf in leaves] == strides for leaves in buffers
-        ):
-            return grads  # the common case: every layout matches already
+    strides = layout if layout is not None else [param.stride() for param in params]
+    if [grad.stride() for grad in grads] == strides and (
+        layout is not None
+        or all([leaf.stride() for leaf in leaves] == strides for leaves in buffers)
+    ):
+        return grads  # the common case: every layout matches already
     aligned = grads
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
         stride = param.stride()
