@@ -27,8 +27,8 @@ from threaded import (
     one_intra_op_thread_per_calling_thread,  # noqa: F401  (an autouse fixture)
     own_objects,
     random_tree,
-    run_together,
 )
+from together import run_together
 
 
 class Meet(nn.Module):

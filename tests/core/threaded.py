@@ -1,10 +1,7 @@
-"""What the thread tests share: real threads started together, the module's own objects, a
-model and random trees for it, and one intra-op thread per calling thread."""
+"""What the thread tests of this folder share: the module's own objects, a model and random trees
+for it, and one intra-op thread per calling thread (threads started together: ``together.py``)."""
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,30 +21,6 @@ def one_intra_op_thread_per_calling_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def run_together(work: Callable[[int], int], threads: int = THREADS) -> list[int]:
-    """Run ``work(i)`` in ``threads`` threads started at once; return what each returned (its
-    count of wrong results), re-raising the first exception a thread met."""
-    barrier = threading.Barrier(threads)
-    results: list[int] = [0] * threads
-    errors: list[BaseException] = []
-
-    def target(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = work(i)
-        except BaseException as error:  # re-raised in the main thread
-            errors.append(error)
-
-    pool = [threading.Thread(target=target, args=(i,)) for i in range(threads)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def leaves(tree: dict) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from torch import nn
 import modstate as ms
 
 from loop_reference import assert_like_the_loop, backward_nodes, seeded_members
+from together import run_together
 
 
 class Glue(nn.Module):
@@ -134,30 +135,19 @@ class Attending(nn.Module):
 
 @pytest.mark.parametrize("factory", [Glue, Attending], ids=["glue", "attention"])
 def test_one_ensemble_called_from_several_threads_at_once(factory):
-    import threading
-
     ensemble = ms.Ensemble(seeded_members(factory)).eval()
     shape = (2, 3, 6, 6) if factory is Glue else (2, 5, 8)
     inputs = [torch.randn(*shape, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     with torch.no_grad():
         expected = [ensemble(x) for x in inputs]  # one thread, first
-    wrong: list[str] = []
 
-    def work(index: int) -> None:
-        try:
-            with torch.no_grad():
-                for call in range(100):
-                    if not torch.equal(ensemble(inputs[index]), expected[index]):
-                        wrong.append(f"thread {index}, call {call}")
-        except Exception as error:  # a thread's exception would otherwise go unseen
-            wrong.append(f"thread {index}: {error!r}")
+    def work(index: int) -> int:
+        with torch.no_grad():
+            return sum(
+                not torch.equal(ensemble(inputs[index]), expected[index]) for _ in range(100)
+            )
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert wrong == []
+    assert run_together(work) == [0] * 4  # wrong results per thread
     for model in [ensemble._template, ensemble.member(0)]:  # no forward left a kernel or a view
         assert all("forward" not in vars(m) for m in model.modules())
 
@@ -199,8 +189,6 @@ def test_in_place_writes_into_kernel_outputs_are_learned_then_cost_no_view_rewri
 
 
 def test_in_place_writes_are_learned_by_each_threads_runner_with_exact_results():
-    import threading
-
     ensemble = ms.Ensemble(seeded_members(InPlaceBlock)).train()
     inputs = [torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
@@ -212,22 +200,14 @@ def test_in_place_writes_are_learned_by_each_threads_runner_with_exact_results()
     # Train mode normalizes with batch statistics: the running ones moving meanwhile change
     # nothing that is compared.
     expected = [output_and_input_gradient(x) for x in inputs]  # one thread, first
-    wrong: list[str] = []
 
-    def work(index: int) -> None:
-        try:
-            for call in range(50):
-                out, grad = output_and_input_gradient(inputs[index])
-                if not (
-                    torch.equal(out, expected[index][0]) and torch.equal(grad, expected[index][1])
-                ):
-                    wrong.append(f"thread {index}, call {call}")
-        except Exception as error:  # a thread's exception would otherwise go unseen
-            wrong.append(f"thread {index}: {error!r}")
+    def work(index: int) -> int:
+        wrong = 0
+        for _ in range(50):
+            out, grad = output_and_input_gradient(inputs[index])
+            wrong += not (
+                torch.equal(out, expected[index][0]) and torch.equal(grad, expected[index][1])
+            )
+        return wrong
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert wrong == []
+    assert run_together(work) == [0] * 4  # wrong results per thread
