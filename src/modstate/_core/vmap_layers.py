@@ -1,0 +1,89 @@
+"""The seam between ``torch.vmap`` and code that computes every member at once.
+
+Inside a ``torch.vmap``, a function receives one member's view of each batched input: a
+``BatchedTensor`` whose hidden dim ``bdim`` holds every member. Code that can do better than
+vmap's per-operation rules takes the tensor inside (`members_of`), computes every member at once
+with ordinary torch ops, and hands the result back as one member's view again
+(`as_member_view`). While it computes, the vmap layer is set aside (`VmapSetAside`): its ops then
+run as plain ops on plain tensors, recorded by autograd (or by an outer ``torch.func``
+transform) as the ops they are, and random ops draw as written (vmap would otherwise batch them a
+second time). The ensemble's batched kernels work this way, and so do ``ms.grad`` and
+``ms.apply`` under a lone ``torch.vmap`` (`lone_vmap`).
+
+This is what ``torch.autograd.Function``'s ``vmap`` staticmethod does; measured, going through it
+costs about 250 µs a call against 6 µs here. The price is a few private functions of
+``torch._C._functorch``, used nowhere else in modstate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch import Tensor
+from torch._C._functorch import (
+    TransformType,
+    _add_batch_dim,
+    _unwrap_batched,
+    get_interpreter_stack,
+    maybe_current_level,
+    pop_dynamic_layer_stack,
+    push_dynamic_layer_stack,
+)
+
+__all__ = [
+    "LoneVmap",
+    "VmapSetAside",
+    "as_member_view",
+    "lone_vmap",
+    "maybe_current_level",
+    "members_of",
+]
+
+
+class LoneVmap(NamedTuple):
+    """The one ``torch.vmap`` running: its level, its member count and its randomness."""
+
+    level: int
+    size: int
+    randomness: str
+
+
+def lone_vmap() -> LoneVmap | None:
+    """The ``torch.vmap`` running when it is the only ``torch.func`` transform running (no
+    ``grad`` inside or around it, no other vmap); None otherwise."""
+    stack = get_interpreter_stack()
+    if not stack or len(stack) != 1 or stack[0].key() != TransformType.Vmap:
+        return None
+    from torch._functorch.pyfunctorch import coerce_cinterpreter
+
+    interpreter: Any = coerce_cinterpreter(stack[0])
+    return LoneVmap(interpreter.level(), interpreter.batch_size(), interpreter.randomness())
+
+
+def members_of(value: Any, level: int) -> tuple[Any, int | None]:
+    """``(tensor, bdim)``: the tensor holding every member of ``value`` and the dim that counts
+    the members, or ``(value, None)`` when ``value`` is the same for every member (not batched at
+    ``level``: a shared input, a constant)."""
+    if not isinstance(value, Tensor):
+        return value, None
+    tensor, bdim = _unwrap_batched(value, level)
+    return tensor, bdim
+
+
+def as_member_view(tensor: Tensor, bdim: int, level: int) -> Tensor:
+    """One member's view of ``tensor``, whose dim ``bdim`` counts the members."""
+    return _add_batch_dim(tensor, bdim, level)
+
+
+class VmapSetAside:
+    """``with VmapSetAside():`` runs the code inside one transform level lower: plain ops on
+    plain tensors, as a ``torch.autograd.Function``'s ``vmap`` rule runs. (A class rather than a
+    generator: it is entered once per layer per call.)"""
+
+    __slots__ = ("layer",)
+
+    def __enter__(self) -> None:
+        self.layer = pop_dynamic_layer_stack()
+
+    def __exit__(self, *exc: object) -> None:
+        push_dynamic_layer_stack(self.layer)
