@@ -1,0 +1,189 @@
+"""The arguments that `ms.grad` differentiates, read as modstate reads trees, and the checks on
+what the differentiated function returns.
+
+Nested dicts of tensors of a structure met before (a training loop's every step) are read by that
+structure's `TreeReader`; other nested dicts, lists and tuples are walked here, and any other tree
+by optree. None is an empty subtree. Errors name the path of the leaf at fault.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from .readers import TreeReader
+
+
+class Differentiated:
+    """One differentiated argument: its tensor leaves (None is an empty subtree), checked.
+
+    Nested dicts of tensors of a structure met before (``known``, a loop's every step) are read
+    by that structure's `TreeReader`; other nested dicts, lists and tuples are walked here, and
+    any other tree by optree."""
+
+    __slots__ = ("leaves", "reader", "requires_grad", "tree", "treedef")
+
+    def __init__(self, name: str, position: int, tree: Any, known: list[TreeReader]) -> None:
+        self.tree = tree
+        self.treedef: Any = None
+        self.reader: TreeReader | None = None
+        if (known_read := _read_by_known_reader(tree, known)) is not None:
+            self.reader, self.leaves = known_read
+        elif (leaves := _plain_leaves(tree)) is not None:
+            self.leaves = leaves
+        else:
+            self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        for index, leaf in enumerate(self.leaves):
+            if type(leaf) is Tensor and leaf.dtype in _DIFFERENTIABLE:
+                continue  # the common case, decided without the slower checks below
+            if not isinstance(leaf, Tensor):
+                raise ValueError(
+                    f"{name}: '{self.path(index)}': a {type(leaf).__name__} leaf of argument "
+                    f"{position}, not a tensor (torch.func differentiates tensors); pass it as "
+                    f"another argument, or set it to None (an empty subtree)"
+                )
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise RuntimeError(
+                    f"{name}: '{self.path(index)}': a {leaf.dtype} leaf of argument "
+                    f"{position}; only floating-point and complex tensors can be differentiated "
+                    f"(as with torch.func.grad); differentiate the trainable part only: "
+                    f"params, state = ms.split(model, detach=True), with state as another "
+                    f"argument (out, state = ms.apply(model, params, state, x))"
+                )
+        self.requires_grad = any(leaf.requires_grad for leaf in self.leaves)
+
+    def path(self, index: int) -> str:
+        """The dotted path of leaf `index` (for errors)."""
+        if self.reader is not None:
+            return self.reader.paths[index]
+        if self.treedef is None:
+            paths: list[str] = []
+            _plain_paths(self.tree, "", paths)
+            return paths[index]
+        path = optree.tree_paths(self.tree, none_is_leaf=False)[index]
+        return ".".join(str(key) for key in path) or "<root>"
+
+    def rebuild(self, leaves: Sequence[Any]) -> Any:
+        if self.reader is not None:
+            return self.reader.build(list(leaves))
+        if self.treedef is None:
+            return _plain_rebuild(self.tree, iter(leaves))
+        return self.treedef.unflatten(leaves)
+
+
+_MOST_STRUCTURES = 4  # per argument; a training loop meets one
+
+
+def _read_by_known_reader(
+    tree: Any, known: list[TreeReader]
+) -> tuple[TreeReader, list[Any]] | None:
+    """The reader of ``tree``'s structure and the leaves it read, when ``tree`` is nested plain
+    dicts of plain tensors (no hole, no other node); a new reader is remembered in ``known``.
+    None for any other tree."""
+    if type(tree) is not dict:
+        return None
+    for reader in known:
+        read = reader.read(tree)
+        if read is not None and _only_tensors(read):
+            return reader, read[0]
+    try:
+        reader = TreeReader(tree)
+    except TypeError:  # a key that is not a string
+        return None
+    read = reader.read(tree)
+    if read is None or not _only_tensors(read) or not reader.paths_are_distinct():
+        return None
+    if len(known) >= _MOST_STRUCTURES:
+        del known[0]
+    known.append(reader)
+    return reader, read[0]
+
+
+def _only_tensors(read: tuple[list[Any], list[Any]]) -> bool:
+    leaves, nodes = read
+    return set(map(type, leaves)) <= _TENSOR and set(map(type, nodes)) == _DICT
+
+
+_TENSOR, _DICT = frozenset({Tensor}), frozenset({dict})
+
+
+def _plain_leaves(tree: Any) -> list[Any] | None:
+    """The tensors of a tree made of plain dicts, lists and tuples (None is an empty subtree),
+    in the order `_plain_rebuild` takes them back; None for any other tree (namedtuples,
+    OrderedDicts, registered nodes, non-tensor leaves), which optree walks instead."""
+    found: list[Any] = []
+
+    def walk(node: Any) -> bool:
+        kind = type(node)
+        if kind is dict:
+            return all(walk(item) for item in node.values())
+        if kind is list or kind is tuple:
+            return all(walk(item) for item in node)
+        if node is None:
+            return True
+        if type(node) is not Tensor:
+            return False  # anything else: optree's walk (and its errors) decide
+        found.append(node)
+        return True
+
+    return found if walk(tree) else None
+
+
+def _plain_rebuild(node: Any, leaves: Any) -> Any:
+    kind = type(node)
+    if kind is dict:
+        return {key: _plain_rebuild(item, leaves) for key, item in node.items()}
+    if kind is list or kind is tuple:
+        return kind(_plain_rebuild(item, leaves) for item in node)
+    if node is None:
+        return None
+    return next(leaves)
+
+
+def _plain_paths(node: Any, prefix: str, paths: list[str]) -> None:
+    """The dotted paths of `_plain_leaves`'s leaves, in its order."""
+    items = (
+        node.items()
+        if type(node) is dict
+        else enumerate(node)
+        if type(node) in (list, tuple)
+        else None
+    )
+    if items is None:
+        if node is not None:
+            paths.append(prefix[:-1] or "<root>")
+        return
+    for key, item in items:
+        _plain_paths(item, f"{prefix}{key}.", paths)
+
+
+_DIFFERENTIABLE = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
+
+
+def split_output(name: str, output: Any, has_aux: bool) -> tuple[Any, Any]:
+    if has_aux:
+        if not (isinstance(output, tuple) and len(output) == 2):
+            raise RuntimeError(
+                f"{name}: '<output>': with has_aux=True, fn must return a tuple "
+                f"(output, aux); return one, or pass has_aux=False"
+            )
+        output, aux = output
+    else:
+        aux = None
+    if not isinstance(output, Tensor):
+        raise RuntimeError(
+            f"{name}: '<output>': fn returned {type(output).__name__}, not a Tensor; return a "
+            f"0-dim tensor (the loss)"
+        )
+    if output.dim() != 0:
+        raise RuntimeError(
+            f"{name}: '<output>': fn returned a tensor with {output.dim()} dims, not a scalar; "
+            f"reduce it (.sum(), .mean()), or use torch.func.vjp / jacrev for non-scalar outputs"
+        )
+    return output, aux
