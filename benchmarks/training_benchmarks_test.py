@@ -19,8 +19,10 @@ the same kernels run, else within ``ATOL``/``RTOL``.
   ``torch.func`` must do it for train-mode BatchNorm, then ``torch.optim.Adam``). modstate is
   stateful (``ms.Ensemble`` + ``torch.optim.Adam(fused=True)``) or functional (``ms.grad`` of
   ``ms.apply`` on the ``ms.Ensemble``, whose stacked tensors are its own parameters, so plain
-  autograd runs its batched kernels, + ``ms.optim.adam(fused=True)`` donated); the
-  ``vmap(grad(ms.apply))`` form on one member's module is shown too. Targets: <= 0.30 T.
+  autograd runs its batched kernels, + ``ms.optim.adam(fused=True)`` donated); and the
+  ``torch.vmap(ms.grad(ms.apply))`` form on one member's module over stacked trees (one plain
+  backward for every member, the ensemble's kernels inside; with ``torch.func.grad`` too).
+  Targets: <= 0.30 T.
 - ``ensemble forward: compute-bound``: ``ms.Ensemble`` of 32 ``64→256→256→10`` on a batch of 128
   (no grad) against the hand-written ``baddbmm`` chain. Target <= 1.05x.
 
@@ -177,10 +179,14 @@ def torch_func_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     return step, lambda: {**params, **holder["buffers"]}
 
 
-def functional_vmap_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
+def functional_vmap_step(
+    models: list[nn.Module], x: torch.Tensor, y: torch.Tensor, gradient: Callable = ms.grad
+):
     """``vmap(grad(ms.apply))`` for the gradients and new statistics of every member, then one
     ``ms.optim.adam`` step on the stacked trees: Adam is elementwise and the members share their
-    step count, so that is each member's own step. torch.func's per-op dispatch runs here."""
+    step count, so that is each member's own step. With ``ms.grad`` (the default), one plain
+    backward runs for every member and ``ms.apply`` runs the ensemble's batched kernels; with
+    ``torch.func.grad``, torch.func's per-op dispatch and vmap's rules run."""
     model = models[0]
     params = ms.stack([ms.split(m, detach=True)[0] for m in models])
     state = ms.stack([ms.split(m, detach=True)[1] for m in models])
@@ -191,7 +197,7 @@ def functional_vmap_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tens
         out, new_state = ms.apply(model, p, s, x)
         return F.cross_entropy(out, y), new_state
 
-    grads_and_state = torch.vmap(grad(loss, has_aux=True))
+    grads_and_state = torch.vmap(gradient(loss, has_aux=True))
 
     def step() -> None:
         grads, holder["state"] = grads_and_state(holder["params"], holder["state"])
@@ -309,6 +315,7 @@ def test_ensemble_training_step_functional_vmap(compare) -> None:
     name = f"training step: ensemble functional, vmap(grad(apply)) + adam {ENSEMBLE}"
     impls = {
         "modstate": functional_vmap_step(members(), x, y),
+        "modstate with torch.func.grad": functional_vmap_step(members(), x, y, grad),
         LOOP: loop_step(members(), x, y),
         TORCH_FUNC: torch_func_step(members(), x, y),
     }

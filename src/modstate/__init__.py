@@ -10,7 +10,6 @@ True
 
 from modstate import checkpoint, optim, tree
 from modstate._core import (
-    apply,
     call,
     call_partial,
     extract,
@@ -24,6 +23,7 @@ from modstate._core import (
     unflatten,
 )
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
+from modstate.ensemble._members_apply import apply
 
 __version__ = "0.1.0"
 

@@ -23,58 +23,9 @@ from .types import Tree
 def apply(
     module: nn.Module, params: Tree, state: Tree, /, *args: Any, **kwargs: Any
 ) -> tuple[Any, Tree]:
-    """``(module(*args, **kwargs), new_state)`` computed with ``params`` and ``state``, purely.
-
-    ``params`` and ``state`` together give every path of the module, as [`modstate.split`][modstate.split]
-    returns them (a None leaf is a hole, so the halves of ``modstate.tree.partition`` work too);
-    buffers belong in ``state`` (one in ``params`` is refused).
-    Nothing passed in is mutated: the buffers in ``state`` are copied before ``forward`` runs, so
-    a buffer that ``forward`` updates in place (BatchNorm's running statistics in train mode) or
-    reassigns (``self.count = self.count + 1``) comes back as a new tensor in ``new_state``, which
-    has the structure of ``state``; every other leaf comes back as the very same object. Which
-    buffers changed cannot always be seen (``batch_norm`` writes its statistics without a trace),
-    so the buffers of submodules in training mode always come back as their copies, changed or
-    not; in eval mode an untouched buffer comes back as the same object. Outputs
-    and new statistics equal the stateful ``module(*args, **kwargs)`` bit for bit, and the module
-    is left exactly as it was.
-
-    Pure, so it composes: ``torch.func.grad(loss, has_aux=True)`` with ``new_state`` as the aux,
-    ``grad_and_value``, ``vjp``, ``torch.vmap`` over stacked ``params`` and ``state`` (each member
-    keeps its own BatchNorm statistics: stack the state too) and ``torch.compile(fullgraph=True)``.
-    Frozen parameters in ``state`` are not copied (``forward`` must not write into parameters).
-    Inside ``torch.compile`` every buffer comes back as a new tensor (a compiled graph cannot
-    tell which of its copies ``forward`` wrote to); the values are the same. Threads: as
-    [`modstate.call`][modstate.call], several threads may apply one module at once.
-
-    Args:
-        module: the module to compute with; it is left exactly as it was.
-        params: the parameters, as ``ms.split(module, detach=True)[0]`` gives them.
-        state: the buffers (and frozen parameters), as ``ms.split(module, detach=True)[1]``.
-        *args: positional arguments of ``forward``.
-        **kwargs: keyword arguments of ``forward``.
-
-    Returns:
-        ``(out, new_state)``: what ``forward`` returns, and a tree shaped like ``state`` whose
-        buffers are the values after the call (new tensors where ``forward`` may have changed
-        them, the very objects of ``state`` elsewhere).
-
-    Raises:
-        TypeError: ``state`` is not a tree, or a leaf's dtype differs from the module's.
-        ValueError: a buffer in ``params``, or a leaf whose shape differs from the module's.
-        KeyError: a path of the module that neither tree gives, or one the module lacks.
-
-    >>> import torch, modstate as ms
-    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # train mode
-    >>> params, state = ms.split(model, detach=True)
-    >>> x = torch.randn(8, 3)
-    >>> def loss(params, state):
-    ...     out, new_state = ms.apply(model, params, state, x)
-    ...     return out.square().mean(), new_state
-    >>> grads, new_state = torch.func.grad(loss, has_aux=True)(params, state)
-    >>> int(new_state["1"]["num_batches_tracked"]), int(state["1"]["num_batches_tracked"])
-    (1, 0)
-    >>> new_state["1"]["running_mean"] is state["1"]["running_mean"]
-    False
+    """`modstate.apply` as the call is written: under ``torch.vmap`` the forward runs by vmap's
+    batching rules. The public `modstate.apply` (in `modstate.ensemble._members_apply`) adds the
+    route that runs every member at once under a lone ``torch.vmap``, and states the contract.
     """
     if not isinstance(state, Mapping):
         raise TypeError(

@@ -17,18 +17,18 @@ left by ``ms.tree.partition``), and a tensor at several paths (a tie) is one inp
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
-from .grad_trees import Differentiated, split_output
+from .grad_members import across_members
+from .grad_trees import Differentiated, detached, grad_enabled, split_output
 from .readers import TreeReader
 from .torch_facts import functorch_active, scalar_gradients
+from .vmap_layers import lone_vmap
 
 Argnums = int | tuple[int, ...]
 
@@ -123,7 +123,14 @@ def _grad_and_value(
             Differentiated(name, position, args[position], readers.setdefault(position, []))
             for position in positions
         ]
-        if functorch_active() or any(tree.requires_grad for tree in trees):
+        found = None
+        if functorch_active():
+            vmap = lone_vmap()
+            if vmap is not None:
+                found = across_members(vmap, name, fn, positions, has_aux, trees, args, kwargs)
+        if found is not None:
+            grads, value = found
+        elif functorch_active() or any(tree.requires_grad for tree in trees):
             grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
         else:
             grads, value = _with_autograd(name, fn, positions, has_aux, trees, args, kwargs)
@@ -159,12 +166,6 @@ def _positions(name: str, argnums: object, count: int) -> tuple[int, ...]:
     return tuple(positions)
 
 
-def _grad_enabled() -> Any:
-    """Grad mode on for the call (``grad`` ignores an outer ``torch.no_grad()``, as
-    ``torch.func.grad`` does); no context switch when it is on already."""
-    return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
-
-
 def _call_on_leaves(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -178,29 +179,6 @@ def _call_on_leaves(
     for position, tree, leaves in zip(positions, trees, leaf_lists, strict=True):
         call_args[position] = tree.rebuild(leaves)
     return fn(*call_args, **kwargs)
-
-
-def _detached(value: Any) -> Any:
-    """`value` with every tensor that requires grad detached; the very same object when none
-    does (the common case: new statistics, metrics), containers copied only where needed."""
-    if isinstance(value, Tensor):
-        return value.detach() if value.requires_grad else value
-    if type(value) is dict:
-        copied: dict[Any, Any] | None = None
-        for key, item in value.items():
-            new = _detached(item)
-            if new is not item:
-                if copied is None:
-                    copied = dict(value)
-                copied[key] = new
-        return value if copied is None else copied
-    if type(value) in (list, tuple):
-        items = [_detached(item) for item in value]
-        unchanged = all(new is old for new, old in zip(items, value, strict=True))
-        return value if unchanged else type(value)(items)
-    if value is None or isinstance(value, (int, float, str, bool)):
-        return value
-    return optree.tree_map(_detached, value, none_is_leaf=True)  # other pytree nodes
 
 
 def _with_autograd(
@@ -226,7 +204,7 @@ def _with_autograd(
             tree_slots.append(slot)
         slots.append(tree_slots)
     leaf_lists = [[inputs[slot] for slot in tree_slots] for tree_slots in slots]
-    with _grad_enabled():
+    with grad_enabled():
         result = _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
         output, aux = split_output(name, result, has_aux)
         found: Sequence[Tensor | None] = (
@@ -242,7 +220,7 @@ def _with_autograd(
         for tree, tree_slots in zip(trees, slots, strict=True)
     ]
     value = output.detach()
-    return grads, ((value, _detached(aux)) if has_aux else value)
+    return grads, ((value, detached(aux)) if has_aux else value)
 
 
 def _with_torch_func(

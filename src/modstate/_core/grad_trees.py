@@ -8,6 +8,7 @@ by optree. None is an empty subtree. Errors name the path of the leaf at fault.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,3 +188,32 @@ def split_output(name: str, output: Any, has_aux: bool) -> tuple[Any, Any]:
             f"reduce it (.sum(), .mean()), or use torch.func.vjp / jacrev for non-scalar outputs"
         )
     return output, aux
+
+
+def grad_enabled() -> Any:
+    """Grad mode on for the call (``grad`` ignores an outer ``torch.no_grad()``, as
+    ``torch.func.grad`` does); no context switch when it is on already."""
+    return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+
+
+def detached(value: Any) -> Any:
+    """`value` with every tensor that requires grad detached; the very same object when none
+    does (the common case: new statistics, metrics), containers copied only where needed."""
+    if isinstance(value, Tensor):
+        return value.detach() if value.requires_grad else value
+    if type(value) is dict:
+        copied: dict[Any, Any] | None = None
+        for key, item in value.items():
+            new = detached(item)
+            if new is not item:
+                if copied is None:
+                    copied = dict(value)
+                copied[key] = new
+        return value if copied is None else copied
+    if type(value) in (list, tuple):
+        items = [detached(item) for item in value]
+        unchanged = all(new is old for new, old in zip(items, value, strict=True))
+        return value if unchanged else type(value)(items)
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return value
+    return optree.tree_map(detached, value, none_is_leaf=True)  # other pytree nodes

@@ -33,7 +33,6 @@ autograd rewriting a view (the other outputs stay as they are, at no cost).
 
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 from collections.abc import Callable
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from modstate._core.anatomy import buffer_paths, slot_at
+from modstate._core.anatomy import buffer_paths
 from modstate._core.extract import extract
 from modstate._core.flat import flatten
 
@@ -53,6 +52,7 @@ from ._kernels import Home, KernelContext, MultiheadAttentionKernel, folded_atte
 from ._kernels.base import fresh_members_first
 from ._kernels.transformer import DecoderLayerKernel, EncoderLayerKernel
 from ._plan import Installed, plan_layers
+from ._stacked_state import sharing_copy
 from ._vmap import InDims, StackedCall
 
 
@@ -73,7 +73,7 @@ class VmapRunner:
     ) -> None:
         self.count = count
         self.randomness = randomness
-        self.module = _sharing_copy(template)
+        self.module = sharing_copy(template)
         context = KernelContext(count, randomness, homes)
         self.routes, installed = plan_layers(self.module, context, batched)
         for path, what in installed.items():
@@ -183,30 +183,6 @@ class ThreadRunners:
         with self._lock:
             for runner in self._made:
                 runner.train(mode)
-
-
-def _sharing_copy(template: nn.Module) -> nn.Module:
-    """A deep copy of ``template`` whose tensors are the template's own objects."""
-    memo: dict[int, Any] = {}
-    for owner in template.modules():
-        for table in (owner._parameters, owner._buffers):
-            for tensor in table.values():
-                if tensor is not None:
-                    memo[id(tensor)] = tensor
-        for value in vars(owner).values():
-            if isinstance(value, Tensor):
-                memo[id(value)] = value
-    copied = copy.deepcopy(template, memo)
-    originals = dict(template.named_modules(remove_duplicate=False))
-    for path, owner in copied.named_modules(remove_duplicate=False):
-        if path in originals:  # some __deepcopy__ re-run __init__ and come back training
-            owner.training = originals[path].training
-    # A __deepcopy__ of its own may ignore the memo: point the copy at the template's tensors.
-    for path, tensor in flatten(extract(template)).items():
-        slot = slot_at(copied, path)
-        if slot.get() is not tensor:
-            slot.table[slot.name] = tensor
-    return copied
 
 
 def _forward_of(what: Installed, layer: nn.Module, owner: VmapRunner) -> Callable[..., Any]:

@@ -40,9 +40,35 @@ def private_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
+def sharing_copy(template: nn.Module) -> nn.Module:
+    """A deep copy of ``template`` whose tensors are the template's own objects."""
+    memo: dict[int, Any] = {}
+    for owner in template.modules():
+        for table in (owner._parameters, owner._buffers):
+            for tensor in table.values():
+                if tensor is not None:
+                    memo[id(tensor)] = tensor
+        for value in vars(owner).values():
+            if isinstance(value, Tensor):
+                memo[id(value)] = value
+    copied = copy.deepcopy(template, memo)
+    originals = dict(template.named_modules(remove_duplicate=False))
+    for path, owner in copied.named_modules(remove_duplicate=False):
+        if path in originals:  # some __deepcopy__ re-run __init__ and come back training
+            owner.training = originals[path].training
+    # A __deepcopy__ of its own may ignore the memo: point the copy at the template's tensors.
+    for path, tensor in flatten(extract(template)).items():
+        slot = slot_at(copied, path)
+        if slot.get() is not tensor:
+            slot.table[slot.name] = tensor
+    return copied
+
+
 def register_stacked(root: nn.Module, template: nn.Module, stacked: Tree) -> None:
     """Register the stacked tensors on a mirror of the template's module tree, as parameters
-    where the template has parameters and as (non-)persistent buffers where it has buffers."""
+    where the template has parameters and as (non-)persistent buffers where it has buffers. Each
+    mirror module takes its template module's training mode (``ms.apply`` reads it: a buffer of
+    a module in eval mode comes back as the very object given)."""
     owners = {"": root}
     registered: dict[int, Tensor] = {}
     for path, value in flatten(stacked).items():
@@ -60,6 +86,10 @@ def register_stacked(root: nn.Module, template: nn.Module, stacked: Tree) -> Non
             tensor = value if tensor is None else tensor
             owner.register_buffer(name, tensor, persistent=original.persistent)
         registered[id(value)] = tensor
+    modules = dict(template.named_modules(remove_duplicate=False))
+    for prefix, owner in owners.items():
+        if prefix in modules:
+            owner.training = modules[prefix].training
 
 
 def mirror(owners: dict[str, nn.Module], prefix: str) -> nn.Module:

@@ -1,0 +1,104 @@
+"""`ms.grad` under a lone ``torch.vmap``: every member's gradient from one plain backward.
+
+``torch.vmap(ms.grad(f))(stacked, ...)`` asks for each member's gradient of its own loss. Under
+vmap the members cannot see each other, so the gradient of the *sum* of their losses with
+respect to the stacked tensors holds, in each member's slice, that member's own gradient. So
+each differentiated stacked tensor is detached and set to require grad, handed to `f` as the
+member's view of it, and `f` runs under the caller's vmap, whose batching rules call plain ops
+that autograd records; one plain backward of the summed losses then gives every gradient, which
+goes back as the member's view. No ``torch.func.grad`` level wraps every tensor of every
+operation, and inside, `modstate.apply` sees a lone ``torch.vmap`` over stacked tensors, where it
+runs the ensemble's batched kernels.
+
+This holds only when every differentiated leaf is a member's own tensor (batched by the vmap). A
+leaf shared by the members (per-sample gradients: the vmap maps the data, not the params) needs
+each member's gradient of one shared tensor, which the sum would add up; there, and where a
+stacked tensor already requires grad (an outer differentiation), ``torch.func.grad`` runs
+instead (`across_members` returns None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from .grad_trees import Differentiated, grad_enabled, split_output
+from .torch_facts import scalar_gradients
+from .vmap_layers import LoneVmap, VmapSetAside, as_member_view, members_of
+
+
+def across_members(
+    vmap: LoneVmap,
+    name: str,
+    fn: Callable[..., Any],
+    positions: tuple[int, ...],
+    has_aux: bool,
+    trees: list[Differentiated],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[Any], Any] | None:
+    """``(gradients per position, value)`` as `ms.grad_and_value` returns them, computed for
+    every member at once; None where this route does not hold (see the module docstring)."""
+    level = vmap.level
+    distinct: list[Tensor] = []  # each stacked tensor once (a tie is one input)
+    dims: list[int] = []
+    slot_of: dict[int, int] = {}
+    slots: list[list[int]] = []
+    for tree in trees:
+        tree_slots = []
+        for leaf in tree.leaves:
+            stacked, dim = members_of(leaf, level)
+            if dim is None or stacked.requires_grad:
+                return None
+            slot = slot_of.get(id(stacked))
+            if slot is None:
+                slot = slot_of[id(stacked)] = len(distinct)
+                distinct.append(stacked)
+                dims.append(dim)
+            tree_slots.append(slot)
+        slots.append(tree_slots)
+    with VmapSetAside():  # torch refuses requires_grad_ under a transform
+        inputs = [stacked.detach().requires_grad_() for stacked in distinct]
+    views = [as_member_view(tensor, dim, level) for tensor, dim in zip(inputs, dims, strict=True)]
+    call_args = list(args)
+    for position, tree, tree_slots in zip(positions, trees, slots, strict=True):
+        call_args[position] = tree.rebuild([views[slot] for slot in tree_slots])
+    with grad_enabled():
+        output, aux = split_output(name, fn(*call_args, **kwargs), has_aux)
+        losses, loss_dim = members_of(output, level)
+        with VmapSetAside():
+            found = (
+                scalar_gradients(losses.sum(), inputs)
+                if losses.requires_grad
+                else [None] * len(inputs)  # fn does not depend on the inputs: zero gradients
+            )
+    gradients = [
+        as_member_view(torch.zeros_like(stacked) if g is None else g, dim, level)
+        for stacked, g, dim in zip(inputs, found, dims, strict=True)
+    ]
+    grads = [
+        tree.rebuild([gradients[slot] for slot in tree_slots])
+        for tree, tree_slots in zip(trees, slots, strict=True)
+    ]
+    value = losses.detach()
+    value = value if loss_dim is None else as_member_view(value, loss_dim, level)
+    return grads, ((value, _detached_members(aux, level)) if has_aux else value)
+
+
+def _detached_members(aux: Any, level: int) -> Any:
+    """`aux` with every tensor detached from this differentiation: a member's view is detached
+    inside (the view itself does not say whether what it wraps requires grad)."""
+
+    def detach(leaf: Any) -> Any:
+        if not isinstance(leaf, Tensor):
+            return leaf
+        inner, dim = members_of(leaf, level)
+        if not inner.requires_grad:
+            return leaf
+        return inner.detach() if dim is None else as_member_view(inner.detach(), dim, level)
+
+    return optree.tree_map(detach, aux, none_is_leaf=True)

@@ -1,0 +1,262 @@
+"""`modstate.apply` under a lone ``torch.vmap``: every member at once, with the batched kernels.
+
+``torch.vmap(ms.grad(loss, has_aux=True))(params, state)`` with ``loss`` calling
+``ms.apply(model, p, s, x)`` is the functional ensemble loop. Left to ``torch.vmap``, the model's
+forward runs one operation at a time through vmap's batching rules. When that vmap is the only
+transform running (``ms.grad`` sets its own vmap aside and runs one of its own: see
+`modstate._core.grad_members`) and it maps every tensor of ``params`` and ``state``, the call goes
+to an `Ensemble` of the model over those stacked tensors instead: the same batched kernels and
+plan as ``Ensemble`` (one batched matmul per ``Linear``, grouped convolutions, per-member
+BatchNorm), with vmap's randomness.
+
+The ensemble is built on the first such call and kept for the next ones, per model, member count,
+inputs' member dims and randomness, and per *settings* of the model (`_settings`): which modules
+it holds and each one's plain attributes (``training``, ``momentum``, ``p``, ...), so that
+``model.eval()``, a changed hyperparameter or a replaced layer gets an ensemble of its own. It is
+built on a copy of the model that shares its tensors (no memory), holds none of the caller's
+trees, and is dropped with the model. Anything the route does not cover runs as the plain call,
+with the same results as before: a tensor of ``params`` or ``state`` shared by the members, an
+input that maps members but is not a tensor argument (a keyword argument, a list), hooks on the
+model, a model the ensemble cannot be built for, ``torch.compile``.
+
+Threads: the kept ensembles are shared by threads; building one is serialized, and each call runs
+as `Ensemble`'s calls do, each thread on a runner of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as module_globals
+
+from modstate._core.apply import apply as apply_one
+from modstate._core.errors import PathError
+from modstate._core.extract import extract
+from modstate._core.torch_facts import functorch_active, is_dtensor
+from modstate._core.types import Tree
+from modstate._core.vmap_layers import (
+    LoneVmap,
+    VmapSetAside,
+    as_member_view,
+    lone_vmap,
+    members_of,
+)
+
+from ._ensemble import Ensemble, _options
+from ._stacked_state import sharing_copy
+from ._vmap import InDims
+
+_KEPT_PER_MODEL = 4  # settings a model is met with (train, eval, ...); the oldest goes first
+_kept: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Ensemble | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_building = threading.Lock()
+
+
+def apply(
+    module: nn.Module, params: Tree, state: Tree, /, *args: Any, **kwargs: Any
+) -> tuple[Any, Tree]:
+    """``(module(*args, **kwargs), new_state)`` computed with ``params`` and ``state``, purely.
+
+    ``params`` and ``state`` together give every path of the module, as [`modstate.split`][modstate.split]
+    returns them (a None leaf is a hole, so the halves of ``modstate.tree.partition`` work too);
+    buffers belong in ``state`` (one in ``params`` is refused).
+    Nothing passed in is mutated: the buffers in ``state`` are copied before ``forward`` runs, so
+    a buffer that ``forward`` updates in place (BatchNorm's running statistics in train mode) or
+    reassigns (``self.count = self.count + 1``) comes back as a new tensor in ``new_state``, which
+    has the structure of ``state``; every other leaf comes back as the very same object. Which
+    buffers changed cannot always be seen (``batch_norm`` writes its statistics without a trace),
+    so the buffers of submodules in training mode always come back as their copies, changed or
+    not; in eval mode an untouched buffer comes back as the same object. Outputs
+    and new statistics equal the stateful ``module(*args, **kwargs)`` bit for bit, and the module
+    is left exactly as it was.
+
+    Pure, so it composes: ``torch.func.grad(loss, has_aux=True)`` with ``new_state`` as the aux,
+    ``grad_and_value``, ``vjp``, ``torch.vmap`` over stacked ``params`` and ``state`` (each member
+    keeps its own BatchNorm statistics: stack the state too) and ``torch.compile(fullgraph=True)``.
+    Frozen parameters in ``state`` are not copied (``forward`` must not write into parameters).
+    Inside ``torch.compile`` every buffer comes back as a new tensor (a compiled graph cannot
+    tell which of its copies ``forward`` wrote to); the values are the same. Threads: as
+    [`modstate.call`][modstate.call], several threads may apply one module at once.
+
+    Under ``torch.vmap`` over stacked ``params`` and ``state``, when the vmap is the only
+    transform running (``torch.vmap(ms.grad(loss))`` is: ``ms.grad`` runs its members' loss under
+    a vmap of its own) and every tensor of ``params`` and ``state`` is stacked, the members run at
+    once as an [`Ensemble`][modstate.Ensemble] of ``module`` runs them: its batched kernels and
+    plan, vmap's ``randomness``. Results then equal the members run one by one to the last bits,
+    as ``Ensemble``'s do, rather than bit for bit. The ensemble is kept for the next calls (per
+    member count, inputs' member dims, randomness and the module's settings: ``model.eval()``
+    or a changed hyperparameter gets its own), shares the module's tensors and holds none of the
+    trees. Other calls under vmap (a shared tensor, inputs mapped in keyword arguments, hooks,
+    ``torch.func.grad`` around it) run by vmap's rules, as before.
+
+    Args:
+        module: the module to compute with; it is left exactly as it was.
+        params: the parameters, as ``ms.split(module, detach=True)[0]`` gives them.
+        state: the buffers (and frozen parameters), as ``ms.split(module, detach=True)[1]``.
+        *args: positional arguments of ``forward``.
+        **kwargs: keyword arguments of ``forward``.
+
+    Returns:
+        ``(out, new_state)``: what ``forward`` returns, and a tree shaped like ``state`` whose
+        buffers are the values after the call (new tensors where ``forward`` may have changed
+        them, the very objects of ``state`` elsewhere).
+
+    Raises:
+        TypeError: ``state`` is not a tree, or a leaf's dtype differs from the module's.
+        ValueError: a buffer in ``params``, or a leaf whose shape differs from the module's.
+        KeyError: a path of the module that neither tree gives, or one the module lacks.
+
+    >>> import torch, modstate as ms
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # train mode
+    >>> params, state = ms.split(model, detach=True)
+    >>> x = torch.randn(8, 3)
+    >>> def loss(params, state):
+    ...     out, new_state = ms.apply(model, params, state, x)
+    ...     return out.square().mean(), new_state
+    >>> grads, new_state = torch.func.grad(loss, has_aux=True)(params, state)
+    >>> int(new_state["1"]["num_batches_tracked"]), int(state["1"]["num_batches_tracked"])
+    (1, 0)
+    >>> new_state["1"]["running_mean"] is state["1"]["running_mean"]
+    False
+    """
+    if functorch_active() and not torch.compiler.is_compiling():
+        vmap = lone_vmap()
+        if vmap is not None:
+            found = _apply_members(vmap, module, params, state, args, kwargs)
+            if found is not None:
+                return found
+    return apply_one(module, params, state, *args, **kwargs)
+
+
+def _apply_members(
+    vmap: LoneVmap,
+    module: nn.Module,
+    params: Tree,
+    state: Tree,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Tree] | None:
+    """``apply`` for every member at once on the stacked trees, or None where the route does not
+    cover the call (see the module docstring)."""
+    level = vmap.level
+    trees: Any = {"params": params, "state": state}
+    leaves, spec = optree.tree_flatten(trees, none_is_leaf=False)
+    stacked = []
+    for leaf in leaves:
+        tensor, dim = members_of(leaf, level)
+        if dim is None or not isinstance(tensor, Tensor) or is_dtensor(tensor):
+            return None
+        stacked.append(tensor if dim == 0 else tensor.movedim(dim, 0))
+    inputs: list[Any] = []
+    dims: list[int | None] = []
+    for arg in args:
+        value, dim = members_of(arg, level)
+        if dim is None and not isinstance(arg, Tensor) and _maps_members(arg, level):
+            return None
+        inputs.append(value if dim in (None, 0) else value.movedim(dim, 0))
+        dims.append(None if dim is None else 0)
+    if _maps_members(kwargs, level):
+        return None
+    in_dims: InDims = (
+        None if all(d is None for d in dims) else 0 if all(d == 0 for d in dims) else tuple(dims)
+    )
+    ensemble = _ensemble_for(module, vmap, in_dims)
+    if ensemble is None:
+        return None
+    members = optree.tree_unflatten(spec, stacked)
+    with VmapSetAside():
+        try:
+            out, new_state = apply_one(
+                ensemble,
+                {"stacked": members["params"]},
+                {"stacked": members["state"]},
+                *inputs,
+                **kwargs,
+            )
+        except PathError:
+            return None  # the trees do not fit the model: the plain call names the path
+    given = {id(tensor): leaf for tensor, leaf in zip(stacked, leaves, strict=True)}
+
+    def member_view(value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        same = given.get(id(value))
+        return as_member_view(value, 0, level) if same is None else same
+
+    member_state: Any = optree.tree_map(member_view, new_state["stacked"], none_is_leaf=True)
+    return optree.tree_map(member_view, out, none_is_leaf=True), member_state
+
+
+def _maps_members(value: Any, level: int) -> bool:
+    """Whether a tensor inside ``value`` (a container, or any pytree) is batched at ``level``."""
+    return any(
+        isinstance(leaf, Tensor) and members_of(leaf, level)[1] is not None
+        for leaf in optree.tree_leaves(value)
+    )
+
+
+def _ensemble_for(module: nn.Module, vmap: LoneVmap, in_dims: InDims) -> Ensemble | None:
+    """The kept ensemble of ``module`` for these settings, built on first use; None where the
+    module has hooks or no ensemble can be built for it."""
+    settings = _settings(module)
+    if settings is None:
+        return None
+    key = (vmap.size, in_dims, vmap.randomness, settings)
+    kept = _kept.get(module)
+    if kept is not None and key in kept:
+        return kept[key]
+    with _building:
+        kept = _kept.setdefault(module, {})
+        if key not in kept:
+            if len(kept) >= _KEPT_PER_MODEL:
+                del kept[next(iter(kept))]
+            kept[key] = _build(module, vmap, in_dims)
+        return kept[key]
+
+
+def _build(module: nn.Module, vmap: LoneVmap, in_dims: InDims) -> Ensemble | None:
+    template = sharing_copy(module)
+    # Placeholders of the right shape that hold no memory: every call swaps the caller's in.
+    placeholders: Any = optree.tree_map(
+        lambda tensor: tensor.detach().expand(vmap.size, *tensor.shape),
+        extract(template),  # type: ignore[arg-type]
+        none_is_leaf=False,
+    )
+    options = _options("apply", False, in_dims, vmap.randomness, True)
+    try:
+        return Ensemble._assembled(template, placeholders, vmap.size, options)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return None  # a model the ensemble does not take: vmap's rules run it, as before
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(module: nn.Module) -> tuple[Any, ...] | None:
+    """What the kept ensemble was built from: each module (by identity), its plain attributes
+    (``training``, hyperparameters) and its tensors' names; None where a forward hook or
+    pre-hook would run. Walked directly (not ``modules()``): it runs on every call."""
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        return None
+    found: list[Any] = []
+    seen: set[int] = set()
+    pending = [module]
+    while pending:
+        owner = pending.pop()
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        if owner._forward_hooks or owner._forward_pre_hooks:
+            return None
+        found.append(id(owner))
+        found.extend([item for item in owner.__dict__.items() if type(item[1]) in _PLAIN])
+        found.append(tuple(owner._parameters))
+        found.append(tuple(owner._buffers))
+        pending.extend([child for child in owner._modules.values() if child is not None])
+    return tuple(found)
