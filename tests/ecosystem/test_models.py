@@ -207,6 +207,27 @@ def test_vmap_call_equals_a_loop_of_copies(spec):
     assert_unchanged(models[0], before)
 
 
+@parametrize_vmap
+def test_vmap_of_ms_grad_of_apply_equals_a_loop_of_copies(spec):
+    # Under a lone vmap, ms.grad takes every member's gradient from one backward and ms.apply
+    # runs the members as an Ensemble of the model does (tests/ensemble/test_members_apply.py).
+    models = copies(spec)
+    expected_out, expected_grads = loop_outputs_and_grads(spec, models)
+    halves = [ms.split(model, detach=True) for model in models]
+    params, state = ms.stack([p for p, _ in halves]), ms.stack([s for _, s in halves])
+    inputs, weights = spec.inputs(), weights_for(expected_out[0])
+    before = snapshot(models[0])
+
+    def loss(p: dict, s: dict) -> torch.Tensor:
+        out = spec.output(ms.apply(models[0], p, s, *inputs)[0])
+        return (out * weights).sum()
+
+    grads = ms.flatten(torch.vmap(ms.grad(loss))(params, state))
+    for path, grad in expected_grads.items():
+        torch.testing.assert_close(grads[path], grad, rtol=1e-4, atol=1e-5, msg=path)
+    assert_unchanged(models[0], before)
+
+
 ENSEMBLED = {"Linear", "Conv2d", "Embedding", "BatchNorm2d", "MultiheadAttention", "Conv1D"}
 
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
 from .grad_trees import Differentiated, grad_enabled, split_output
 from .torch_facts import scalar_gradients
-from .vmap_layers import LoneVmap, VmapSetAside, as_member_view, members_of
+from .vmap_layers import LoneVmap, VmapSetAside, as_member_view, members_of, vmap_tree_map
 
 
 def across_members(
@@ -93,12 +92,10 @@ def _detached_members(aux: Any, level: int) -> Any:
     """`aux` with every tensor detached from this differentiation: a member's view is detached
     inside (the view itself does not say whether what it wraps requires grad)."""
 
-    def detach(leaf: Any) -> Any:
-        if not isinstance(leaf, Tensor):
-            return leaf
+    def detach(leaf: Tensor) -> Tensor:
         inner, dim = members_of(leaf, level)
         if not inner.requires_grad:
             return leaf
         return inner.detach() if dim is None else as_member_view(inner.detach(), dim, level)
 
-    return optree.tree_map(detach, aux, none_is_leaf=True)
+    return vmap_tree_map(detach, aux)

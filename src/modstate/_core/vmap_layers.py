@@ -29,14 +29,17 @@ from torch._C._functorch import (
     pop_dynamic_layer_stack,
     push_dynamic_layer_stack,
 )
+from torch.utils import _pytree as torch_pytree
 
 __all__ = [
     "LoneVmap",
     "VmapSetAside",
     "as_member_view",
     "lone_vmap",
+    "maps_members",
     "maybe_current_level",
     "members_of",
+    "vmap_tree_map",
 ]
 
 
@@ -68,6 +71,21 @@ def members_of(value: Any, level: int) -> tuple[Any, int | None]:
         return value, None
     tensor, bdim = _unwrap_batched(value, level)
     return tensor, bdim
+
+
+def vmap_tree_map(function: Any, value: Any) -> Any:
+    """``function`` applied to every tensor of ``value``, walked as ``torch.vmap`` walks its inputs
+    and outputs: torch's own pytrees, where Hugging Face registers its ``ModelOutput``."""
+    return torch_pytree.tree_map_only(Tensor, function, value)
+
+
+def maps_members(value: Any, level: int) -> bool:
+    """Whether a tensor inside ``value`` (walked as `vmap_tree_map` walks it) is batched at
+    ``level``."""
+    return any(
+        isinstance(leaf, Tensor) and members_of(leaf, level)[1] is not None
+        for leaf in torch_pytree.tree_leaves(value)
+    )
 
 
 def as_member_view(tensor: Tensor, bdim: int, level: int) -> Tensor:

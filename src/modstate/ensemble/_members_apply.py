@@ -44,7 +44,9 @@ from modstate._core.vmap_layers import (
     VmapSetAside,
     as_member_view,
     lone_vmap,
+    maps_members,
     members_of,
+    vmap_tree_map,
 )
 
 from ._ensemble import Ensemble, _options
@@ -157,11 +159,11 @@ def _apply_members(
     dims: list[int | None] = []
     for arg in args:
         value, dim = members_of(arg, level)
-        if dim is None and not isinstance(arg, Tensor) and _maps_members(arg, level):
+        if dim is None and not isinstance(arg, Tensor) and maps_members(arg, level):
             return None
         inputs.append(value if dim in (None, 0) else value.movedim(dim, 0))
         dims.append(None if dim is None else 0)
-    if _maps_members(kwargs, level):
+    if maps_members(kwargs, level):
         return None
     in_dims: InDims = (
         None if all(d is None for d in dims) else 0 if all(d == 0 for d in dims) else tuple(dims)
@@ -183,22 +185,11 @@ def _apply_members(
             return None  # the trees do not fit the model: the plain call names the path
     given = {id(tensor): leaf for tensor, leaf in zip(stacked, leaves, strict=True)}
 
-    def member_view(value: Any) -> Any:
-        if not isinstance(value, Tensor):
-            return value
+    def member_view(value: Tensor) -> Tensor:
         same = given.get(id(value))
         return as_member_view(value, 0, level) if same is None else same
 
-    member_state: Any = optree.tree_map(member_view, new_state["stacked"], none_is_leaf=True)
-    return optree.tree_map(member_view, out, none_is_leaf=True), member_state
-
-
-def _maps_members(value: Any, level: int) -> bool:
-    """Whether a tensor inside ``value`` (a container, or any pytree) is batched at ``level``."""
-    return any(
-        isinstance(leaf, Tensor) and members_of(leaf, level)[1] is not None
-        for leaf in optree.tree_leaves(value)
-    )
+    return vmap_tree_map(member_view, out), vmap_tree_map(member_view, new_state["stacked"])
 
 
 def _ensemble_for(module: nn.Module, vmap: LoneVmap, in_dims: InDims) -> Ensemble | None:
