@@ -17,6 +17,7 @@ costs about 250 µs a call against 6 µs here. The price is a few private functi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -73,9 +74,20 @@ def members_of(value: Any, level: int) -> tuple[Any, int | None]:
     return tensor, bdim
 
 
-def vmap_tree_map(function: Any, value: Any) -> Any:
+def vmap_tree_map(function: Callable[[Tensor], Tensor], value: Any) -> Any:
     """``function`` applied to every tensor of ``value``, walked as ``torch.vmap`` walks its inputs
-    and outputs: torch's own pytrees, where Hugging Face registers its ``ModelOutput``."""
+    and outputs: torch's own pytrees, where Hugging Face registers its ``ModelOutput``. Plain
+    dicts, lists and tuples (a tree of state, most outputs) are walked here, which is several
+    times faster; any other node is torch's to walk."""
+    kind = type(value)
+    if kind is Tensor or isinstance(value, Tensor):
+        return function(value)
+    if kind is dict:
+        return {key: vmap_tree_map(function, item) for key, item in value.items()}
+    if kind is list or kind is tuple:
+        return kind(vmap_tree_map(function, item) for item in value)
+    if value is None or kind in (bool, int, float, str):
+        return value
     return torch_pytree.tree_map_only(Tensor, function, value)
 
 

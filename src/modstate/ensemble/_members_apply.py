@@ -226,7 +226,7 @@ def _build(module: nn.Module, vmap: LoneVmap, in_dims: InDims) -> Ensemble | Non
         return None  # a model the ensemble does not take: vmap's rules run it, as before
 
 
-_PLAIN = (bool, int, float, str, type(None))
+_PLAIN = frozenset({bool, int, float, str, type(None)})
 
 
 def _settings(module: nn.Module) -> tuple[Any, ...] | None:
@@ -238,16 +238,16 @@ def _settings(module: nn.Module) -> tuple[Any, ...] | None:
     found: list[Any] = []
     seen: set[int] = set()
     pending = [module]
+    plain = _PLAIN
     while pending:
         owner = pending.pop()
         if id(owner) in seen:
             continue
         seen.add(id(owner))
-        if owner._forward_hooks or owner._forward_pre_hooks:
+        attributes = owner.__dict__
+        if attributes["_forward_hooks"] or attributes["_forward_pre_hooks"]:
             return None
-        found.append(id(owner))
-        found.extend([item for item in owner.__dict__.items() if type(item[1]) in _PLAIN])
-        found.append(tuple(owner._parameters))
-        found.append(tuple(owner._buffers))
-        pending.extend([child for child in owner._modules.values() if child is not None])
+        found += [id(owner), *attributes["_parameters"], None, *attributes["_buffers"], None]
+        found += [item for item in attributes.items() if type(item[1]) in plain]
+        pending += [child for child in attributes["_modules"].values() if child is not None]
     return tuple(found)
