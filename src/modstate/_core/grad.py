@@ -6,9 +6,11 @@ model that per-operation dispatch costs about as much as the model itself. Outsi
 gradients: each differentiated leaf is detached and set to require grad, ``fn`` runs once, and
 the autograd engine takes the gradients as ``torch.autograd.grad`` would (entered directly for
 plain tensors, `torch_facts.scalar_gradients`), which costs what ``loss.backward()`` costs, or a
-little less (no per-call argument handling). Inside a
-transform (``vmap(ms.grad(f))``), or when a differentiated leaf already requires grad (an outer
-autograd computation, as in MAML, whose gradient must flow through this one), they are
+little less (no per-call argument handling). Under a lone ``torch.vmap`` over stacked trees
+(``vmap(ms.grad(f))``, an ensemble's loop) one plain backward gives every member's gradient
+(`grad_members.py`). Inside any other transform, or when a differentiated leaf already requires
+grad (an outer autograd computation, as in MAML, whose gradient must flow through this one), or
+a differentiated leaf is shared by the members of a vmap (per-sample gradients), they are
 ``torch.func.grad`` / ``grad_and_value`` themselves.
 
 Both routes read trees the modstate way: optree pytrees in which None is an empty subtree (a hole
@@ -39,10 +41,14 @@ def grad(fn: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False) ->
 
     Outside a ``torch.func`` transform the gradients come from plain autograd (the leaves are
     detached, set to require grad, and ``torch.autograd.grad`` runs once): no per-operation
-    functorch dispatch, so a functional training step costs what ``backward()`` costs. Inside
-    a transform (``torch.vmap(ms.grad(f))``, ``torch.func.grad(ms.grad(f))``), or when a
-    differentiated leaf already requires grad (meta-learning through an outer loop), this is
-    ``torch.func.grad``, so ensembles and higher-order gradients work as with it.
+    functorch dispatch, so a functional training step costs what ``backward()`` costs. Under
+    a lone ``torch.vmap`` whose members each own every differentiated leaf (an ensemble's
+    ``torch.vmap(ms.grad(loss))(stacked)``), one plain backward of the members' summed losses
+    gives each member its own gradient, and `modstate.apply` inside runs the members together
+    with the ensemble's kernels. Inside other transforms (``torch.func.grad(ms.grad(f))``), for
+    a leaf the members share (per-sample gradients), or when a differentiated leaf already
+    requires grad (meta-learning through an outer loop), this is ``torch.func.grad``, so
+    higher-order gradients work as with it.
 
     Trees are read as everywhere in modstate: None is an empty subtree (its gradient is None),
     a tensor at several paths (a tied weight) is one input whose whole gradient stands at each
