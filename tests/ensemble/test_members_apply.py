@@ -218,3 +218,46 @@ def test_threads_applying_one_module_each_get_their_own_members():
         return wrong
 
     assert run_together(work) == [0, 0, 0, 0]
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor | None = None, pair=None
+    ) -> torch.Tensor:
+        out = self.linear(x)
+        if scale is not None:
+            out = out * scale
+        if pair is not None:
+            out = out + pair[0]
+        return out
+
+
+def test_inputs_mapped_in_keywords_or_containers_run_by_vmaps_rules_with_the_same_numbers():
+    models = seeded_members(TwoInputs, MEMBERS)
+    params, state = stacked(models)
+    template = models[0]
+    x = torch.randn(MEMBERS, 5, 4)
+    scales = torch.randn(MEMBERS, 1)
+    expected = torch.stack([m(x[i], scales[i], (scales[i],)) for i, m in enumerate(models)])
+
+    def by_keyword(p, s, x, scale):
+        return ms.apply(template, p, s, x, scale=scale, pair=(scale,))[0]
+
+    def in_a_tuple(p, s, x, scale):
+        return ms.apply(template, p, s, x, scale, (scale,))[0]
+
+    for fn in (by_keyword, in_a_tuple):
+        close(torch.vmap(fn)(params, state, x, scales), expected, fn.__name__)
+    assert kept(template) == 0  # neither took the batched route
+    mapped_dim_two = torch.vmap(lambda p, s, x: ms.apply(template, p, s, x)[0], in_dims=(0, 0, 2))
+    moved = x.permute(1, 2, 0)  # members last: the route moves them first
+    close(
+        mapped_dim_two(params, state, moved),
+        torch.stack([m(x[i]) for i, m in enumerate(models)]),
+        "in_dims=2",
+    )
+    assert kept(template) == 1
