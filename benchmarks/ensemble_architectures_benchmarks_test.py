@@ -1,4 +1,5 @@
-"""Ensembles of real architectures: ``ms.Ensemble`` beside a loop, ``vmap(functional_call)`` and
+"""Ensembles of real architectures: ``ms.Ensemble`` (and ``ms.vmap_call`` on stacked trees) beside a
+loop, ``vmap(functional_call)`` and
 the hand-written batched limit; and the peak memory of ``Ensemble.from_factory``.
 
 Cases (issue 17), each timed with the ``compare`` fixture (warmed up, interleaved rounds):
@@ -133,6 +134,13 @@ def runners(
     out: dict[str, tuple[Callable[[Any], Tensor], list[Tensor]]] = {}
     ensemble = ms.Ensemble(copy.deepcopy(models), randomness=case.randomness)
     out["modstate"] = (lambda x: output(ensemble(x)), list(ensemble.parameters()))
+    stacked = ms.stack_modules(copy.deepcopy(models))
+    template = copy.deepcopy(models[0])
+    out["modstate vmap_call"] = (
+        lambda x: output(ms.vmap_call(template, stacked, x, randomness=case.randomness)),
+        # each tensor once (a tie is one tensor at two paths)
+        list({id(t): t for t in ms.flatten(stacked).values() if t.requires_grad}.values()),
+    )
     loop = copy.deepcopy(models)
     out["loop"] = (
         lambda x: torch.stack([output(m(x)) for m in loop]),

@@ -221,13 +221,6 @@ MODELS = [
 ]
 
 
-VMAP_LIMITED = {
-    "t5": "torch limit: under vmap, CPU SDPA has no derivative for attn_mask, which T5 feeds its"
-    " position bias through (test_torch_limits.py shows it)"
-}
-"""Models that torch itself cannot differentiate under vmap, with the reason their skip shows."""
-
-
 def params(
     models: list[Model] = MODELS,
     *,

@@ -15,7 +15,7 @@ import copy
 import pytest
 import safetensors.torch
 import torch
-from models import MODELS, VMAP_LIMITED, Model, params
+from models import MODELS, Model, params
 from torch import nn
 
 import modstate as ms
@@ -54,10 +54,10 @@ def autograd_grads(spec: Model, model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
-# t5_eager, T5 with eager attention, only stands in for T5 where torch cannot run its SDPA
-# attention under vmap with gradients (test_torch_limits.py).
+# t5_eager, T5 with eager attention, stands in for T5 where torch cannot run its SDPA attention
+# under vmap with gradients (test_torch_limits.py); vmap_call and ms.apply under vmap run T5's
+# attention with the members folded into its batch, where it can, so they take T5 itself.
 parametrize_models = pytest.mark.parametrize("spec", params(leave_out={"t5_eager"}))
-parametrize_vmap = pytest.mark.parametrize("spec", params(skip=VMAP_LIMITED))
 
 
 @parametrize_models
@@ -194,7 +194,7 @@ def assert_stacked_grads(stacked: dict, expected: dict) -> None:
         torch.testing.assert_close(flat[path].grad, grad, rtol=1e-4, atol=1e-5, msg=path)
 
 
-@parametrize_vmap
+@parametrize_models
 def test_vmap_call_equals_a_loop_of_copies(spec):
     models = copies(spec)
     expected_out, expected_grads = loop_outputs_and_grads(spec, models)
@@ -207,7 +207,7 @@ def test_vmap_call_equals_a_loop_of_copies(spec):
     assert_unchanged(models[0], before)
 
 
-@parametrize_vmap
+@parametrize_models
 def test_vmap_of_ms_grad_of_apply_equals_a_loop_of_copies(spec):
     # Under a lone vmap, ms.grad takes every member's gradient from one backward and ms.apply
     # runs the members as an Ensemble of the model does (tests/ensemble/test_members_apply.py).

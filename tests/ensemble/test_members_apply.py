@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import modstate as ms
-from modstate.ensemble import _members_apply
+from modstate.ensemble import _kept
 
 from loop_reference import ATOL, RTOL, seeded_members
 from together import run_together
@@ -47,7 +47,7 @@ def stacked(models):
 
 def kept(module) -> int:
     """How many ensembles the route keeps for ``module`` (0: it never ran for it)."""
-    return len(_members_apply._kept.get(module, {}))
+    return len(_kept._kept.get(module, {}))
 
 
 def vmapped_apply(module, params, state, x):

@@ -15,6 +15,6 @@ May import ``modstate._core`` and ``modstate.tree``; never ``optim``, ``checkpoi
 
 from modstate.ensemble._ensemble import Ensemble
 from modstate.ensemble._stack import stack, stack_modules, unstack
-from modstate.ensemble._vmap import vmap_call
+from modstate.ensemble._vmap_call import vmap_call
 
 __all__ = ["Ensemble", "stack", "stack_modules", "unstack", "vmap_call"]

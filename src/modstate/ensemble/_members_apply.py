@@ -3,40 +3,27 @@
 ``torch.vmap(ms.grad(loss, has_aux=True))(params, state)`` with ``loss`` calling
 ``ms.apply(model, p, s, x)`` is the functional ensemble loop. Left to ``torch.vmap``, the model's
 forward runs one operation at a time through vmap's batching rules. When that vmap is the only
-transform running (``ms.grad`` sets its own vmap aside and runs one of its own: see
-`modstate._core.grad_members`) and it maps every tensor of ``params`` and ``state``, the call goes
-to an `Ensemble` of the model over those stacked tensors instead: the same batched kernels and
-plan as ``Ensemble`` (one batched matmul per ``Linear``, grouped convolutions, per-member
-BatchNorm), with vmap's randomness.
-
-The ensemble is built on the first such call and kept for the next ones, per model, member count,
-inputs' member dims and randomness, and per *settings* of the model (`_settings`): which modules
-it holds and each one's plain attributes (``training``, ``momentum``, ``p``, ...), so that
-``model.eval()``, a changed hyperparameter or a replaced layer gets an ensemble of its own. It is
-built on a copy of the model that shares its tensors (no memory), holds none of the caller's
-trees, and is dropped with the model. Anything the route does not cover runs as the plain call,
-with the same results as before: a tensor of ``params`` or ``state`` shared by the members, an
-input that maps members but is not a tensor argument (a keyword argument, a list), hooks on the
-model, a model the ensemble cannot be built for, ``torch.compile``.
-
-Threads: the kept ensembles are shared by threads; building one is serialized, and each call runs
-as `Ensemble`'s calls do, each thread on a runner of its own.
+transform running (``ms.grad`` runs the members' loss under the caller's vmap with plain
+autograd: see `modstate._core.grad_members`) and it maps every tensor of ``params`` and
+``state``, the call goes to the module's kept `Ensemble` (`_kept`) over those stacked tensors
+instead: the same batched kernels and plan as ``Ensemble`` (one batched matmul per ``Linear``,
+grouped convolutions, per-member BatchNorm), with vmap's randomness. Anything the route does not
+cover runs as the plain call, with the same results as before: a tensor of ``params`` or
+``state`` shared by the members, an input that maps members but is not a tensor argument (a
+keyword argument, a list), hooks on the model, a model the ensemble cannot be built for,
+``torch.compile``.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as module_globals
 
 from modstate._core.apply import apply as apply_one
 from modstate._core.errors import PathError
-from modstate._core.extract import extract
 from modstate._core.torch_facts import functorch_active, is_dtensor
 from modstate._core.types import Tree
 from modstate._core.vmap_layers import (
@@ -49,15 +36,8 @@ from modstate._core.vmap_layers import (
     vmap_tree_map,
 )
 
-from ._ensemble import Ensemble, _options
-from ._stacked_state import sharing_copy
+from ._kept import ensemble_for
 from ._vmap import InDims
-
-_KEPT_PER_MODEL = 4  # settings a model is met with (train, eval, ...); the oldest goes first
-_kept: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Ensemble | None]] = (
-    weakref.WeakKeyDictionary()
-)
-_building = threading.Lock()
 
 
 def apply(
@@ -168,7 +148,7 @@ def _apply_members(
     in_dims: InDims = (
         None if all(d is None for d in dims) else 0 if all(d == 0 for d in dims) else tuple(dims)
     )
-    ensemble = _ensemble_for(module, vmap, in_dims)
+    ensemble = ensemble_for(module, vmap.size, vmap.randomness, in_dims)
     if ensemble is None:
         return None
     members = optree.tree_unflatten(spec, stacked)
@@ -190,64 +170,3 @@ def _apply_members(
         return as_member_view(value, 0, level) if same is None else same
 
     return vmap_tree_map(member_view, out), vmap_tree_map(member_view, new_state["stacked"])
-
-
-def _ensemble_for(module: nn.Module, vmap: LoneVmap, in_dims: InDims) -> Ensemble | None:
-    """The kept ensemble of ``module`` for these settings, built on first use; None where the
-    module has hooks or no ensemble can be built for it."""
-    settings = _settings(module)
-    if settings is None:
-        return None
-    key = (vmap.size, in_dims, vmap.randomness, settings)
-    kept = _kept.get(module)
-    if kept is not None and key in kept:
-        return kept[key]
-    with _building:
-        kept = _kept.setdefault(module, {})
-        if key not in kept:
-            if len(kept) >= _KEPT_PER_MODEL:
-                del kept[next(iter(kept))]
-            kept[key] = _build(module, vmap, in_dims)
-        return kept[key]
-
-
-def _build(module: nn.Module, vmap: LoneVmap, in_dims: InDims) -> Ensemble | None:
-    template = sharing_copy(module)
-    # Placeholders of the right shape that hold no memory: every call swaps the caller's in.
-    placeholders: Any = optree.tree_map(
-        lambda tensor: tensor.detach().expand(vmap.size, *tensor.shape),
-        extract(template),  # type: ignore[arg-type]
-        none_is_leaf=False,
-    )
-    options = _options("apply", False, in_dims, vmap.randomness, True)
-    try:
-        return Ensemble._assembled(template, placeholders, vmap.size, options)
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):
-        return None  # a model the ensemble does not take: vmap's rules run it, as before
-
-
-_PLAIN = frozenset({bool, int, float, str, type(None)})
-
-
-def _settings(module: nn.Module) -> tuple[Any, ...] | None:
-    """What the kept ensemble was built from: each module (by identity), its plain attributes
-    (``training``, hyperparameters) and its tensors' names; None where a forward hook or
-    pre-hook would run. Walked directly (not ``modules()``): it runs on every call."""
-    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
-        return None
-    found: list[Any] = []
-    seen: set[int] = set()
-    pending = [module]
-    plain = _PLAIN
-    while pending:
-        owner = pending.pop()
-        if id(owner) in seen:
-            continue
-        seen.add(id(owner))
-        attributes = owner.__dict__
-        if attributes["_forward_hooks"] or attributes["_forward_pre_hooks"]:
-            return None
-        found += [id(owner), *attributes["_parameters"], None, *attributes["_buffers"], None]
-        found += [item for item in attributes.items() if type(item[1]) in plain]
-        pending += [child for child in attributes["_modules"].values() if child is not None]
-    return tuple(found)

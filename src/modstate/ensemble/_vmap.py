@@ -1,4 +1,5 @@
-"""Run one module with every member of a stacked tree, under ``torch.vmap``."""
+"""Run one module with every member of a stacked tree, under ``torch.vmap``: `StackedCall`, and
+the checks of a stacked tree."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from modstate._core.anatomy import anatomy_of, buffer_paths
+from modstate._core.anatomy import anatomy_of
 from modstate._core.call import call
-from modstate._core.flat import Layout, flatten, unflatten
-from modstate._core.torch_facts import write_back
+from modstate._core.flat import Layout
 from modstate._core.types import Tree
 
 from ._functorch import as_member_view, maybe_current_level
@@ -28,86 +28,6 @@ shares an input, an int names its member dim, a tuple gives one entry per input.
 RANDOMNESS = ("error", "different", "same")
 
 T = TypeVar("T")
-
-
-def vmap_call(
-    module: nn.Module,
-    stacked: Tree,
-    /,
-    *args: Any,
-    in_dims: InDims = None,
-    randomness: str = "error",
-    chunk_size: int | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Run ``module`` once per member of ``stacked`` and return the stacked outputs (dim 0).
-
-    In essence ``torch.vmap(lambda tree, *a: ms.call(module, tree, *a, **kwargs), in_dims=(0,
-    *in_dims))(stacked, *args)``. The tree is checked before anything runs. In-place updates in
-    ``forward`` land in the stacked tensors (BatchNorm's running statistics, one per member); a
-    buffer that ``forward`` reassigns is written back into ``stacked``, stacked. Tied tensors
-    stay tied (the stacked tree holds one tensor at both paths). The module is left exactly as it
-    was: same objects, same ``requires_grad``. For a module that owns its stacked state and runs
-    the layers' batched kernels, see [`modstate.Ensemble`][modstate.Ensemble].
-
-    Args:
-        module: the model whose ``forward`` runs; its own tensors are not used.
-        stacked: a tree shaped like ``ms.extract(module)`` whose leaves have one leading member
-            dim, as [`stack`][modstate.stack] and [`stack_modules`][modstate.stack_modules]
-            make.
-        *args: positional inputs of ``forward``.
-        in_dims: how positional inputs map to members. None (default): every member sees the
-            same inputs; 0: each input holds one slice per member along dim 0; a tuple: one entry
-            per positional input, as in ``torch.vmap`` (None shares that input).
-        randomness: ``torch.vmap``'s. ``"error"`` (default, as ``torch.vmap``) refuses random
-            ops (dropout in training mode); ``"different"`` draws independently for every member,
-            as a loop over the models would; ``"same"`` draws once for all.
-        chunk_size: ``torch.vmap``'s: run this many members at a time (less memory).
-        **kwargs: keyword inputs of ``forward``, shared by every member.
-
-    Returns:
-        What ``forward`` returns, with a leading member dim on every tensor.
-
-    Raises:
-        TypeError: ``stacked`` is not a dict.
-        ValueError: a leaf is not the module's tensor with one leading member dim (an unstacked
-            tree is named as such), leaves or inputs disagree on the member count, or
-            ``in_dims`` has the wrong length; the message names the leaf or input.
-        RuntimeError: a member drew random numbers with ``randomness="error"``.
-
-    Example:
-        >>> import torch, modstate as ms
-        >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
-        >>> stacked = ms.stack_modules(models)
-        >>> ms.vmap_call(models[0], stacked, torch.randn(10, 3)).shape
-        torch.Size([4, 10, 2])
-    """
-    if not isinstance(stacked, dict):
-        raise TypeError(
-            f"vmap_call: the stacked tree is a {type(stacked).__name__}; give a dict of "
-            "tensors with a leading member dim, such as ms.stack_modules(models)"
-        )
-    if randomness not in RANDOMNESS:
-        raise ValueError(
-            f"vmap_call: randomness={randomness!r}; use one of {', '.join(map(repr, RANDOMNESS))}"
-        )
-    flat = flatten(stacked)
-    _check_stacked(module, flat)
-    plan = StackedCall(list(flat), list(flat.values()), buffer_paths(module), "vmap_call")
-    out, reassigned = plan.run(
-        module,
-        # A stacked tree of DTensors (a sharded module's trees, stacked) goes in as it is: the
-        # call gathers each FSDP unit's members when the unit runs.
-        plan.distinct(list(flat.values())),
-        args,
-        kwargs,
-        in_dims,
-        randomness,
-        chunk_size=chunk_size,
-    )
-    if reassigned:
-        write_back(stacked, unflatten({plan.paths[i]: v for i, v in reassigned.items()}))
-    return out
 
 
 _RANDOMNESS_FIX = (
@@ -266,7 +186,7 @@ class StackedCall:
                     )
 
 
-def _check_stacked(module: nn.Module, flat: dict[str, Any]) -> None:
+def check_stacked(module: nn.Module, flat: dict[str, Any]) -> None:
     """Refuse a tree whose leaves are not the module's tensors with a leading member dim; say so
     when it is an unstacked tree (leaves of the module's own shapes)."""
     slots = anatomy_of(module).by_path

@@ -1,0 +1,106 @@
+"""Ensembles kept for a module, to run stacked trees given at call time with the batched kernels.
+
+`modstate.apply` under a lone ``torch.vmap`` and `modstate.vmap_call` both receive a module and
+trees of stacked tensors at each call. Rather than leaving the module's forward to
+``torch.vmap``'s per-operation rules, they run an `Ensemble` of the module with the caller's
+stacked tensors swapped in: the same batched kernels and plan as ``Ensemble``.
+
+The ensemble is built on first use and kept, per member count, inputs' member dims, randomness,
+and the *settings* of the module (`_settings`): which modules it holds and each one's plain
+attributes (``training``, ``momentum``, ``p``, ...) and tensors' names, so that
+``model.eval()``, a changed hyperparameter or a replaced layer gets an ensemble of its own (at
+most `_KEPT_PER_MODEL` per module, the oldest dropped first). It is built on a copy of the
+module that shares its tensors (no memory), its stacked tensors are placeholders that hold no
+memory (every call swaps the caller's in), it holds none of the caller's trees, and it is dropped
+with the module (a weak key). A module with forward hooks, or one the ensemble cannot be built
+for, gets None: the caller keeps vmap's rules.
+
+Threads: the kept ensembles are shared; building one is serialized, and each call runs as
+``Ensemble``'s calls do, each thread on a runner of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import optree
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+from modstate._core.extract import extract
+
+from ._ensemble import Ensemble, _options
+from ._stacked_state import sharing_copy
+from ._vmap import InDims
+
+_KEPT_PER_MODEL = 4  # settings a module is met with (train, eval, ...); the oldest goes first
+_kept: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Ensemble | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_building = threading.Lock()
+
+
+def ensemble_for(
+    module: nn.Module, count: int, randomness: str, in_dims: InDims
+) -> Ensemble | None:
+    """The kept ensemble of ``module`` for ``count`` members, vmap's ``randomness``, ``in_dims``
+    (hashable: an int, a tuple or None) and the module's settings now, built on first use; None
+    where the module has forward hooks or no ensemble can be built for it."""
+    settings = _settings(module)
+    if settings is None:
+        return None
+    key = (count, in_dims, randomness, settings)
+    kept = _kept.get(module)
+    if kept is not None and key in kept:
+        return kept[key]
+    with _building:
+        kept = _kept.setdefault(module, {})
+        if key not in kept:
+            if len(kept) >= _KEPT_PER_MODEL:
+                del kept[next(iter(kept))]
+            kept[key] = _build(module, count, randomness, in_dims)
+        return kept[key]
+
+
+def _build(module: nn.Module, count: int, randomness: str, in_dims: InDims) -> Ensemble | None:
+    template = sharing_copy(module)
+    # Placeholders of the right shape that hold no memory: every call swaps the caller's in.
+    placeholders: Any = optree.tree_map(
+        lambda tensor: tensor.detach().expand(count, *tensor.shape),
+        extract(template),  # type: ignore[arg-type]
+        none_is_leaf=False,
+    )
+    options = _options("modstate", False, in_dims, randomness, True)
+    try:
+        return Ensemble._assembled(template, placeholders, count, options)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return None  # a model the ensemble does not take: vmap's rules run it, as before
+
+
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+
+
+def _settings(module: nn.Module) -> tuple[Any, ...] | None:
+    """What the kept ensemble was built from: each module (by identity), its plain attributes
+    (``training``, hyperparameters) and its tensors' names; None where a forward hook or
+    pre-hook would run. Walked directly (not ``modules()``): it runs on every call."""
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        return None
+    found: list[Any] = []
+    seen: set[int] = set()
+    pending = [module]
+    plain = _PLAIN
+    while pending:
+        owner = pending.pop()
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        attributes = owner.__dict__
+        if attributes["_forward_hooks"] or attributes["_forward_pre_hooks"]:
+            return None
+        found += [id(owner), *attributes["_parameters"], None, *attributes["_buffers"], None]
+        found += [item for item in attributes.items() if type(item[1]) in plain]
+        pending += [child for child in attributes["_modules"].values() if child is not None]
+    return tuple(found)
