@@ -1,8 +1,10 @@
 """Ensembles: N models of one architecture as stacked trees, run at once.
 
 ``_stack`` stacks and unstacks trees; ``_vmap`` runs a module with every member of a stacked
-tree under ``torch.vmap`` (``vmap_call``); ``_ensemble`` holds the ``Ensemble`` module that owns
-stacked state. How an ``Ensemble`` runs: ``_plan`` decides each layer's route, ``_kernels/``
+tree under ``torch.vmap`` (`StackedCall`); ``_ensemble`` holds the ``Ensemble`` module that owns
+stacked state; ``_kept`` keeps an ``Ensemble`` per module for trees given at call time, which
+``_vmap_call`` (``vmap_call``) and ``_members_apply`` (``modstate.apply`` under a lone
+``torch.vmap``) run. How an ``Ensemble`` runs: ``_plan`` decides each layer's route, ``_kernels/``
 holds the batched kernels (one file per family of layers), ``_functorch`` is the seam where a
 kernel meets ``torch.vmap``, ``_runner`` runs the model's own forward under vmap with the
 kernels in place, and ``_chain`` runs a plain ``Sequential`` of kernels without vmap.
