@@ -122,6 +122,14 @@ def test_an_input_with_another_member_count_is_named_with_both_counts():
     stacked = ms.stack_modules(models)
     with pytest.raises(ValueError, match=r"input 1 has 3 members along dim 0 .* 4 members"):
         ms.vmap_call(models[0], stacked, torch.randn(4, 5, 3), torch.randn(3, 5), in_dims=(0, 0))
+    x = torch.randn(3, 5, 3)
+    with pytest.raises(ValueError, match=r"^vmap_call: input 0 has 3 members .* or in_dims=None"):
+        ms.vmap_call(models[0], stacked, x, in_dims=0)
+    x = torch.randn(4, 5, 3)  # the fix: one slice per member
+    out = ms.vmap_call(models[0], stacked, x, in_dims=0)
+    torch.testing.assert_close(
+        out, torch.stack([m(x[i]) for i, m in enumerate(models)]), atol=1e-5, rtol=0
+    )
     ensemble = ms.Ensemble(models, in_dims=0)
     with pytest.raises(ValueError, match="input 0 has 3 members along dim 0.*the ensemble has 4"):
         ensemble(torch.randn(3, 5, 3))

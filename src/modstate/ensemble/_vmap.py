@@ -103,7 +103,7 @@ class StackedCall:
             self.treespec,
             self.buffers,
         )
-        arg_dims = _argument_dims(in_dims, len(args), self.caller)
+        arg_dims = argument_dims(in_dims, len(args), self.caller)
         self.check_counts(distinct, args, arg_dims, count)
         if not distinct and all(d is None for d in arg_dims):
             if count is None:
@@ -227,7 +227,7 @@ def _layout(paths: tuple[str, ...]) -> Layout:
     return Layout(list(paths))
 
 
-def _argument_dims(in_dims: InDims, count: int, caller: str) -> tuple[Any, ...]:
+def argument_dims(in_dims: InDims, count: int, caller: str) -> tuple[Any, ...]:
     if in_dims is None or isinstance(in_dims, int):
         return (in_dims,) * count
     if isinstance(in_dims, (tuple, list)):

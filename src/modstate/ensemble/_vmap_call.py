@@ -24,7 +24,7 @@ from modstate._core.torch_facts import functorch_active, is_dtensor, write_back
 from modstate._core.types import Tree
 
 from ._kept import ensemble_for
-from ._vmap import RANDOMNESS, InDims, StackedCall, check_stacked
+from ._vmap import RANDOMNESS, InDims, StackedCall, argument_dims, check_stacked
 
 
 def vmap_call(
@@ -97,16 +97,19 @@ def vmap_call(
         )
     flat = flatten(stacked)
     check_stacked(module, flat)
-    if flat and chunk_size is None:
-        out = _with_kept_ensemble(module, stacked, flat, args, kwargs, in_dims, randomness)
+    plan = StackedCall(list(flat), list(flat.values()), buffer_paths(module), "vmap_call")
+    # A stacked tree of DTensors (a sharded module's trees, stacked) goes in as it is: the
+    # call gathers each FSDP unit's members when the unit runs.
+    distinct = plan.distinct(list(flat.values()))
+    if distinct and chunk_size is None:
+        # The inputs are checked as vmap's route checks them, so that errors are vmap_call's.
+        plan.check_counts(distinct, args, argument_dims(in_dims, len(args), "vmap_call"), None)
+        out = _with_kept_ensemble(module, stacked, distinct, args, kwargs, in_dims, randomness)
         if out is not _NOT_TAKEN:
             return out
-    plan = StackedCall(list(flat), list(flat.values()), buffer_paths(module), "vmap_call")
     out, reassigned = plan.run(
         module,
-        # A stacked tree of DTensors (a sharded module's trees, stacked) goes in as it is: the
-        # call gathers each FSDP unit's members when the unit runs.
-        plan.distinct(list(flat.values())),
+        distinct,
         args,
         kwargs,
         in_dims,
@@ -124,7 +127,7 @@ _NOT_TAKEN = object()
 def _with_kept_ensemble(
     module: nn.Module,
     stacked: Tree,
-    flat: dict[str, Any],
+    leaves: list[Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     in_dims: InDims,
@@ -136,7 +139,6 @@ def _with_kept_ensemble(
     no ensemble is kept for the module (hooks, a model it cannot be built for)."""
     if functorch_active() or torch.compiler.is_compiling():
         return _NOT_TAKEN
-    leaves = list(flat.values())
     if any(is_dtensor(leaf) for leaf in leaves):
         return _NOT_TAKEN
     dims = tuple(in_dims) if isinstance(in_dims, list) else in_dims
