@@ -261,3 +261,31 @@ def test_inputs_mapped_in_keywords_or_containers_run_by_vmaps_rules_with_the_sam
         "in_dims=2",
     )
     assert kept(template) == 1
+
+
+def test_the_kept_ensemble_holds_none_of_the_modules_tensors():
+    models = seeded_members(bn_mlp, MEMBERS)
+    params, state = stacked(models)
+    template = models[0]
+    vmapped_apply(template, params, state, torch.randn(5, 4))
+    (ensemble,) = _kept._kept[template].values()
+    held = [*ms.flatten(ms.extract(ensemble)).values()]
+    held += ms.flatten(ms.extract(ensemble._template)).values()
+    assert held and all(t.untyped_storage().nbytes() <= t.element_size() for t in held)
+    own = {t.untyped_storage().data_ptr() for t in template.state_dict().values()}
+    assert not own & {t.untyped_storage().data_ptr() for t in held}
+
+
+def test_a_replaced_layer_of_another_class_gets_an_ensemble_of_its_own():
+    def factory():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    models = seeded_members(factory, MEMBERS)
+    params, state = stacked(models)
+    template = models[0]
+    x = torch.randn(5, 4)
+    vmapped_apply(template, params, state, x)
+    for model in (template, *models):
+        model[1] = nn.Sigmoid()  # no attributes of its own: only its class tells it apart
+    out, _ = vmapped_apply(template, params, state, x)
+    close(out, torch.stack([m(x) for m in models]), "after Tanh -> Sigmoid")

@@ -10,8 +10,8 @@ and the *settings* of the module (`_settings`): which modules it holds and each 
 attributes (``training``, ``momentum``, ``p``, ...) and tensors' names, so that
 ``model.eval()``, a changed hyperparameter or a replaced layer gets an ensemble of its own (at
 most `_KEPT_PER_MODEL` per module, the oldest dropped first). It is built on a copy of the
-module that shares its tensors (no memory), its stacked tensors are placeholders that hold no
-memory (every call swaps the caller's in), it holds none of the caller's trees, and it is dropped
+module, whose tensors and stacked tensors are placeholders that hold no memory (every call swaps
+the caller's in): it holds neither the module's tensors nor the caller's trees, and it is dropped
 with the module (a weak key). A module with forward hooks, or one the ensemble cannot be built
 for, gets None: the caller keeps vmap's rules.
 
@@ -26,10 +26,14 @@ import weakref
 from typing import Any
 
 import optree
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
+from torch.nn.parameter import is_lazy
 
+from modstate._core.anatomy import slot_at
 from modstate._core.extract import extract
+from modstate._core.flat import flatten
 
 from ._ensemble import Ensemble, _options
 from ._stacked_state import sharing_copy
@@ -40,6 +44,7 @@ _kept: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Ensemble | Non
     weakref.WeakKeyDictionary()
 )
 _building = threading.Lock()
+_MISSING = object()
 
 
 def ensemble_for(
@@ -53,8 +58,10 @@ def ensemble_for(
         return None
     key = (count, in_dims, randomness, settings)
     kept = _kept.get(module)
-    if kept is not None and key in kept:
-        return kept[key]
+    if kept is not None:
+        found = kept.get(key, _MISSING)  # one lookup: another thread may drop the entry
+        if found is not _MISSING:
+            return found  # type: ignore[return-value]
     with _building:
         kept = _kept.setdefault(module, {})
         if key not in kept:
@@ -66,7 +73,7 @@ def ensemble_for(
 
 def _build(module: nn.Module, count: int, randomness: str, in_dims: InDims) -> Ensemble | None:
     template = sharing_copy(module)
-    # Placeholders of the right shape that hold no memory: every call swaps the caller's in.
+    _hollow(template)
     placeholders: Any = optree.tree_map(
         lambda tensor: tensor.detach().expand(count, *tensor.shape),
         extract(template),  # type: ignore[arg-type]
@@ -79,11 +86,30 @@ def _build(module: nn.Module, count: int, randomness: str, in_dims: InDims) -> E
         return None  # a model the ensemble does not take: vmap's rules run it, as before
 
 
+def _hollow(template: nn.Module) -> None:
+    """Replace the template's tensors by placeholders of the same shape, dtype, device and
+    ``requires_grad`` that hold no memory (a tie stays one placeholder): every call swaps the
+    caller's tensors in, and the kept ensemble must not keep the module's own alive."""
+    made: dict[int, Tensor] = {}
+    for path, tensor in flatten(extract(template)).items():
+        if is_lazy(tensor):
+            continue
+        hollow = made.get(id(tensor))
+        if hollow is None:
+            empty = torch.empty((), dtype=tensor.dtype, device=tensor.device)
+            hollow = empty.expand(tensor.shape)
+            if isinstance(tensor, nn.Parameter):
+                hollow = nn.Parameter(hollow, requires_grad=tensor.requires_grad)
+            made[id(tensor)] = hollow
+        slot = slot_at(template, path)
+        slot.table[slot.name] = hollow
+
+
 _PLAIN = frozenset({bool, int, float, str, type(None)})
 
 
 def _settings(module: nn.Module) -> tuple[Any, ...] | None:
-    """What the kept ensemble was built from: each module (by identity), its plain attributes
+    """What the kept ensemble was built from: each module (by identity and class), its plain attributes
     (``training``, hyperparameters) and its tensors' names; None where a forward hook or
     pre-hook would run. Walked directly (not ``modules()``): it runs on every call."""
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
@@ -100,7 +126,8 @@ def _settings(module: nn.Module) -> tuple[Any, ...] | None:
         attributes = owner.__dict__
         if attributes["_forward_hooks"] or attributes["_forward_pre_hooks"]:
             return None
-        found += [id(owner), *attributes["_parameters"], None, *attributes["_buffers"], None]
+        found += [id(owner), type(owner), *attributes["_parameters"], None]
+        found += [*attributes["_buffers"], None]
         found += [item for item in attributes.items() if type(item[1]) in plain]
         pending += [child for child in attributes["_modules"].values() if child is not None]
     return tuple(found)

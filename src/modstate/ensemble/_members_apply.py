@@ -67,10 +67,10 @@ def apply(
     [`modstate.call`][modstate.call], several threads may apply one module at once.
 
     Under ``torch.vmap`` over stacked ``params`` and ``state``, when the vmap is the only
-    transform running (``torch.vmap(ms.grad(loss))`` is: ``ms.grad`` runs its members' loss under
-    a vmap of its own) and every tensor of ``params`` and ``state`` is stacked, the members run at
-    once as an [`Ensemble`][modstate.Ensemble] of ``module`` runs them: its batched kernels and
-    plan, vmap's ``randomness``. Results then equal the members run one by one to the last bits,
+    transform running (inside ``torch.vmap(ms.grad(loss))`` it is: ``ms.grad`` differentiates
+    there with plain autograd) and every tensor of ``params`` and ``state`` is stacked, the
+    members run at once as an [`Ensemble`][modstate.Ensemble] of ``module`` runs them: its
+    batched kernels and plan, vmap's ``randomness``. Results then equal the members run one by one to the last bits,
     as ``Ensemble``'s do, rather than bit for bit. The ensemble is kept for the next calls (per
     member count, inputs' member dims, randomness and the module's settings: ``model.eval()``
     or a changed hyperparameter gets its own), shares the module's tensors and holds none of the
