@@ -172,3 +172,17 @@ def test_threads_each_get_their_own_members_gradients():
         return wrong
 
     assert run_together(work) == [0, 0, 0, 0]
+
+
+@pytest.mark.slow
+def test_under_torch_compile_it_is_torch_funcs_and_traces_whole():
+    model, stacked = stacked_mlps(torch.float32)
+    loss = mse(model, torch.randn(6, 3), torch.zeros(6, 2))
+
+    def step(tree):
+        return torch.vmap(ms.grad(loss))(tree)
+
+    compiled = torch.compile(step, fullgraph=True)  # the member route is not traced
+    got, want = ms.flatten(compiled(stacked)), ms.flatten(step(stacked))
+    for path, value in want.items():
+        torch.testing.assert_close(got[path], value, rtol=1e-5, atol=1e-6, msg=path)

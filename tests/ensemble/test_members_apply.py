@@ -289,3 +289,32 @@ def test_a_replaced_layer_of_another_class_gets_an_ensemble_of_its_own():
         model[1] = nn.Sigmoid()  # no attributes of its own: only its class tells it apart
     out, _ = vmapped_apply(template, params, state, x)
     close(out, torch.stack([m(x) for m in models]), "after Tanh -> Sigmoid")
+
+
+def test_threads_training_one_module_functionally_each_get_their_own_gradients():
+    models = seeded_members(bn_mlp, MEMBERS)
+    template = models[0]
+    trees = [stacked(seeded_members(bn_mlp, MEMBERS)[k:] + models[:k]) for k in range(4)]
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+    def loss(p, s):
+        out, new_state = ms.apply(template, p, s, x)
+        return F.cross_entropy(out, y), new_state
+
+    step = torch.vmap(ms.grad(loss, has_aux=True))
+
+    def flat(result):
+        grads, new_state = result
+        return {**ms.flatten(grads), **{f"state.{k}": v for k, v in ms.flatten(new_state).items()}}
+
+    expected = [flat(step(*tree)) for tree in trees]
+
+    def work(i: int) -> int:
+        wrong = 0
+        for _ in range(100):
+            got, want = flat(step(*trees[i])), expected[i]
+            wrong += any(not torch.equal(got[path], want[path]) for path in want)
+        return wrong
+
+    assert run_together(work) == [0, 0, 0, 0]
+    assert kept(template) == 1

@@ -130,7 +130,7 @@ def _grad_and_value(
             for position in positions
         ]
         found = None
-        if functorch_active():
+        if functorch_active() and not torch.compiler.is_compiling():
             vmap = lone_vmap()
             if vmap is not None:
                 found = across_members(vmap, name, fn, positions, has_aux, trees, args, kwargs)
