@@ -115,19 +115,29 @@ def _settings(module: nn.Module) -> tuple[Any, ...] | None:
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return None
     found: list[Any] = []
+    append = found.append
     seen: set[int] = set()
     pending = [module]
     plain = _PLAIN
     while pending:
         owner = pending.pop()
-        if id(owner) in seen:
+        key = id(owner)
+        if key in seen:
             continue
-        seen.add(id(owner))
+        seen.add(key)
         attributes = owner.__dict__
         if attributes["_forward_hooks"] or attributes["_forward_pre_hooks"]:
             return None
-        found += [id(owner), type(owner), *attributes["_parameters"], None]
-        found += [*attributes["_buffers"], None]
-        found += [item for item in attributes.items() if type(item[1]) in plain]
-        pending += [child for child in attributes["_modules"].values() if child is not None]
+        append(key)
+        append(type(owner))
+        found.extend(attributes["_parameters"])
+        append(None)
+        found.extend(attributes["_buffers"])
+        append(None)
+        for item in attributes.items():
+            if type(item[1]) in plain:
+                append(item)
+        children = attributes["_modules"]
+        if children:
+            pending.extend([child for child in children.values() if child is not None])
     return tuple(found)
