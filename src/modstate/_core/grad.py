@@ -27,7 +27,14 @@ import torch
 from torch import Tensor
 
 from .grad_members import across_members
-from .grad_trees import Differentiated, detached, grad_enabled, split_output
+from .grad_trees import (
+    Differentiated,
+    Ties,
+    call_on_leaves,
+    detached,
+    grad_enabled,
+    split_output,
+)
 from .readers import TreeReader
 from .torch_facts import functorch_active, scalar_gradients
 from .vmap_layers import lone_vmap
@@ -129,14 +136,15 @@ def _grad_and_value(
             Differentiated(name, position, args[position], readers.setdefault(position, []))
             for position in positions
         ]
+        transformed = functorch_active()
         found = None
-        if functorch_active() and not torch.compiler.is_compiling():
+        if transformed and not torch.compiler.is_compiling():
             vmap = lone_vmap()
             if vmap is not None:
                 found = across_members(vmap, name, fn, positions, has_aux, trees, args, kwargs)
         if found is not None:
             grads, value = found
-        elif functorch_active() or any(tree.requires_grad for tree in trees):
+        elif transformed or any(tree.requires_grad for tree in trees):
             grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
         else:
             grads, value = _with_autograd(name, fn, positions, has_aux, trees, args, kwargs)
@@ -172,21 +180,6 @@ def _positions(name: str, argnums: object, count: int) -> tuple[int, ...]:
     return tuple(positions)
 
 
-def _call_on_leaves(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    positions: tuple[int, ...],
-    trees: list[Differentiated],
-    leaf_lists: Sequence[list[Tensor]],
-) -> Any:
-    """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
-    call_args = list(args)
-    for position, tree, leaves in zip(positions, trees, leaf_lists, strict=True):
-        call_args[position] = tree.rebuild(leaves)
-    return fn(*call_args, **kwargs)
-
-
 def _with_autograd(
     name: str,
     fn: Callable[..., Any],
@@ -197,21 +190,10 @@ def _with_autograd(
     kwargs: dict[str, Any],
 ) -> tuple[list[Any], Any]:
     """Plain autograd: one leaf that requires grad per distinct tensor (a tie stays one)."""
-    inputs: list[Tensor] = []
-    slot_of: dict[int, int] = {}
-    slots: list[list[int]] = []
-    for tree in trees:
-        tree_slots = []
-        for leaf in tree.leaves:
-            slot = slot_of.get(id(leaf))
-            if slot is None:
-                slot = slot_of[id(leaf)] = len(inputs)
-                inputs.append(leaf.detach().requires_grad_())
-            tree_slots.append(slot)
-        slots.append(tree_slots)
-    leaf_lists = [[inputs[slot] for slot in tree_slots] for tree_slots in slots]
+    ties = Ties([tree.leaves for tree in trees])
+    inputs = [leaf.detach().requires_grad_() for leaf in ties.distinct]
     with grad_enabled():
-        result = _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
+        result = call_on_leaves(fn, args, kwargs, positions, trees, ties.per_tree(inputs))
         output, aux = split_output(name, result, has_aux)
         found: Sequence[Tensor | None] = (
             scalar_gradients(output, inputs)
@@ -222,8 +204,7 @@ def _with_autograd(
         torch.zeros_like(leaf) if g is None else g for leaf, g in zip(inputs, found, strict=True)
     ]
     grads = [
-        tree.rebuild([gradients[slot] for slot in tree_slots])
-        for tree, tree_slots in zip(trees, slots, strict=True)
+        tree.rebuild(leaves) for tree, leaves in zip(trees, ties.per_tree(gradients), strict=True)
     ]
     value = output.detach()
     return grads, ((value, detached(aux)) if has_aux else value)
@@ -241,7 +222,7 @@ def _with_torch_func(
     holes stay holes (torch's pytrees would hand None to the transform)."""
 
     def on_leaves(*leaf_lists: list[Tensor]) -> Any:
-        return _call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
+        return call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
 
     leaf_lists = [list(tree.leaves) for tree in trees]
     flat_grads, value = torch.func.grad_and_value(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .grad_trees import Differentiated, grad_enabled, split_output
+from .grad_trees import Differentiated, Ties, call_on_leaves, grad_enabled, split_output
 from .torch_facts import scalar_gradients
 from .vmap_layers import LoneVmap, VmapSetAside, as_member_view, members_of, vmap_tree_map
 
@@ -43,31 +43,25 @@ def across_members(
     """``(gradients per position, value)`` as `ms.grad_and_value` returns them, computed for
     every member at once; None where this route does not hold (see the module docstring)."""
     level = vmap.level
-    distinct: list[Tensor] = []  # each stacked tensor once (a tie is one input)
-    dims: list[int] = []
-    slot_of: dict[int, int] = {}
-    slots: list[list[int]] = []
+    stacked: list[list[Tensor]] = []  # per tree, the tensor holding every member of each leaf
+    dim_of: dict[int, int] = {}  # the member dim of each stacked tensor, by id
     for tree in trees:
-        tree_slots = []
+        tree_stacked = []
         for leaf in tree.leaves:
-            stacked, dim = members_of(leaf, level)
-            if dim is None or stacked.requires_grad:
+            members, dim = members_of(leaf, level)
+            if dim is None or members.requires_grad:
                 return None
-            slot = slot_of.get(id(stacked))
-            if slot is None:
-                slot = slot_of[id(stacked)] = len(distinct)
-                distinct.append(stacked)
-                dims.append(dim)
-            tree_slots.append(slot)
-        slots.append(tree_slots)
+            dim_of.setdefault(id(members), dim)
+            tree_stacked.append(members)
+        stacked.append(tree_stacked)
+    ties = Ties(stacked)
+    dims = [dim_of[id(members)] for members in ties.distinct]
     with VmapSetAside():  # torch refuses requires_grad_ under a transform
-        inputs = [stacked.detach().requires_grad_() for stacked in distinct]
+        inputs = [members.detach().requires_grad_() for members in ties.distinct]
     views = [as_member_view(tensor, dim, level) for tensor, dim in zip(inputs, dims, strict=True)]
-    call_args = list(args)
-    for position, tree, tree_slots in zip(positions, trees, slots, strict=True):
-        call_args[position] = tree.rebuild([views[slot] for slot in tree_slots])
     with grad_enabled():
-        output, aux = split_output(name, fn(*call_args, **kwargs), has_aux)
+        result = call_on_leaves(fn, args, kwargs, positions, trees, ties.per_tree(views))
+        output, aux = split_output(name, result, has_aux)
         losses, loss_dim = members_of(output, level)
         with VmapSetAside():
             found = (
@@ -76,12 +70,11 @@ def across_members(
                 else [None] * len(inputs)  # fn does not depend on the inputs: zero gradients
             )
     gradients = [
-        as_member_view(torch.zeros_like(stacked) if g is None else g, dim, level)
-        for stacked, g, dim in zip(inputs, found, dims, strict=True)
+        as_member_view(torch.zeros_like(tensor) if g is None else g, dim, level)
+        for tensor, g, dim in zip(inputs, found, dims, strict=True)
     ]
     grads = [
-        tree.rebuild([gradients[slot] for slot in tree_slots])
-        for tree, tree_slots in zip(trees, slots, strict=True)
+        tree.rebuild(leaves) for tree, leaves in zip(trees, ties.per_tree(gradients), strict=True)
     ]
     value = losses.detach()
     value = value if loss_dim is None else as_member_view(value, loss_dim, level)

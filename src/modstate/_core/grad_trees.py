@@ -9,7 +9,7 @@ by optree. None is an empty subtree. Errors name the path of the leaf at fault.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -217,3 +217,46 @@ def detached(value: Any) -> Any:
     if value is None or isinstance(value, (int, float, str, bool)):
         return value
     return optree.tree_map(detached, value, none_is_leaf=True)  # other pytree nodes
+
+
+class Ties:
+    """The distinct tensors among the differentiated leaves (a tensor at several paths, a tie, is
+    one input, whose whole gradient stands at each of its paths) and which one each leaf is.
+
+    ``Ties(per_tree)`` takes, for each differentiated tree, the tensors standing for its leaves
+    (the leaves themselves, or what a route unwrapped from them); `distinct` lists each once."""
+
+    __slots__ = ("distinct", "slots")
+
+    def __init__(self, per_tree: Sequence[Sequence[Tensor]]) -> None:
+        self.distinct: list[Tensor] = []
+        self.slots: list[list[int]] = []
+        slot_of: dict[int, int] = {}
+        for tensors in per_tree:
+            tree_slots = []
+            for tensor in tensors:
+                slot = slot_of.get(id(tensor))
+                if slot is None:
+                    slot = slot_of[id(tensor)] = len(self.distinct)
+                    self.distinct.append(tensor)
+                tree_slots.append(slot)
+            self.slots.append(tree_slots)
+
+    def per_tree(self, values: Sequence[Any]) -> list[list[Any]]:
+        """For each tree, its leaves' entries of `values` (one per distinct tensor)."""
+        return [[values[slot] for slot in tree_slots] for tree_slots in self.slots]
+
+
+def call_on_leaves(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    positions: tuple[int, ...],
+    trees: list[Differentiated],
+    leaf_lists: Sequence[list[Any]],
+) -> Any:
+    """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
+    call_args = list(args)
+    for position, tree, leaves in zip(positions, trees, leaf_lists, strict=True):
+        call_args[position] = tree.rebuild(leaves)
+    return fn(*call_args, **kwargs)
