@@ -143,7 +143,7 @@ def _apply_members(
             return None
         inputs.append(value if dim in (None, 0) else value.movedim(dim, 0))
         dims.append(None if dim is None else 0)
-    if maps_members(kwargs, level):
+    if kwargs and maps_members(kwargs, level):
         return None
     in_dims: InDims = (
         None if all(d is None for d in dims) else 0 if all(d == 0 for d in dims) else tuple(dims)

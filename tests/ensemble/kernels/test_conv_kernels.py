@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+import modstate as ms
+
 from loop_reference import assert_like_the_loop
 
 
@@ -43,14 +45,19 @@ CONVOLUTIONS = {
         (2, 2, 7),
     ),
     "residual_block": (ResidualBlock, (2, 4, 6, 6)),
-    # output maps of at most 16 positions: a batched matmul over unfolded patches (with in_dims=0)
-    "conv2d_small_maps": (lambda: nn.Conv2d(4, 6, 3, padding=1), (2, 4, 4, 4)),
+    # output maps of at most 4 positions (16 for a 1x1 convolution): a batched matmul over
+    # unfolded patches (with in_dims=0)
+    "conv2d_small_maps": (lambda: nn.Conv2d(4, 6, 3, padding=1), (2, 4, 2, 2)),
     "conv2d_1x1_strided_small_maps": (lambda: nn.Conv2d(4, 6, 1, stride=2), (2, 4, 6, 6)),
+    "conv2d_1x1_reflect_small_maps": (
+        lambda: nn.Conv2d(4, 6, 1, stride=2, padding=1, padding_mode="reflect"),
+        (2, 4, 5, 5),
+    ),
     "conv2d_reflect_dilated_small_maps": (
-        lambda: nn.Conv2d(2, 3, 3, padding=2, dilation=2, padding_mode="reflect", bias=False),
+        lambda: nn.Conv2d(2, 3, 3, padding=1, dilation=2, padding_mode="reflect", bias=False),
         (1, 2, 4, 4),
     ),
-    "residual_block_small_maps": (ResidualBlock, (2, 4, 3, 3)),
+    "residual_block_small_maps": (ResidualBlock, (2, 4, 2, 2)),
     "stem_then_grouped": (
         lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2)),
         (2, 3, 8, 8),
@@ -82,8 +89,34 @@ def test_small_output_maps_run_as_a_batched_matmul_and_larger_ones_as_a_grouped_
         return out
 
     monkeypatch.setattr(conv.ConvolutionKernel, "_small_maps_as_matmul", spy)
-    for side, route in [(4, "matmul"), (5, "grouped")]:  # 16 positions, then 25
+    cases = [
+        (lambda: nn.Conv2d(4, 6, 3, padding=1), 2, "matmul"),  # 4 positions
+        (lambda: nn.Conv2d(4, 6, 3, padding=1), 3, "grouped"),  # 9
+        (lambda: nn.Conv2d(4, 6, 1), 4, "matmul"),  # 1x1: 16 positions, no unfolding
+        (lambda: nn.Conv2d(4, 6, 1, stride=2), 7, "matmul"),  # 1x1, strided: 4x4 of 7x7
+        (lambda: nn.Conv2d(4, 6, 1), 5, "grouped"),  # 1x1: 25
+    ]
+    for layer, side, route in cases:
         routes.clear()
         inputs = functools.partial(lambda side: (torch.randn(3, 2, 4, side, side),), side)
-        assert_like_the_loop(lambda: nn.Conv2d(4, 6, 3, padding=1), inputs, in_dims=0)
-        assert routes and set(routes) == {route}
+        assert_like_the_loop(layer, inputs, in_dims=0)
+        assert routes and set(routes) == {route}, (layer(), side)
+
+
+def test_in_inference_deep_convolutions_take_their_input_contiguous():
+    # After a stem the maps are channels-last (inference); a convolution with more filter
+    # elements than input elements takes its input contiguous, which oneDNN keeps in its output
+    # (else it copies the filters into channels-last at every call). Same numbers as the loop.
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 32, 3, padding=1)).eval()
+        for _ in range(3)
+    ]
+    ensemble = ms.Ensemble(members).eval()
+    x = torch.randn(2, 3, 7, 7)
+    with torch.no_grad():
+        out = ensemble(x)
+        want = torch.stack([member(x) for member in members])
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    # filters: 3 x 32 x 4 x 9 elements; the stem's maps: 2 x 3 x 4 x 25
+    assert out.stride(-1) == 1 and out.stride(2) == 25

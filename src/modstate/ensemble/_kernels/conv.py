@@ -28,12 +28,15 @@ class ConvolutionKernel:
     first, as ``nn.Conv2d`` does.
 
     On the CPU, a ``Conv2d`` (``groups=1``) whose output maps have at most `MATMUL_POSITIONS`
-    positions (the deep layers of a CNN: 4x4, 2x2) runs as one batched matmul over the members
-    instead, on its unfolded input patches (``F.unfold``), with the same layout out. There
-    oneDNN's grouped convolution is slow: measured on a 2-core x86 server for torchvision
-    ResNet-18's layer3/layer4 shapes, 4 members, it took 1.1-2x the matmul forward and up to 2x
-    with backward (``benchmarks/ensemble_architectures_benchmarks_test.py``); on larger maps the
-    grouped convolution wins, up to 5x.
+    positions (the last layers of a CNN: 2x2) runs as one batched matmul over the members
+    instead, on its unfolded input patches (``F.unfold``), with the same layout out; a 1x1
+    convolution (a ResNet's downsampling shortcut) does so up to `POINTWISE_MATMUL_POSITIONS`
+    (4x4), its patches being its input's pixels (a strided slice, no unfold). There oneDNN's
+    grouped convolution is slow: measured on a 2-core x86 server for torchvision ResNet-18's
+    layer4 shapes, 4 members, it took 1.5-3x the matmul. On 4x4 maps a 3x3 convolution is
+    faster grouped: unfolding (``im2col``) then costs as much as the matmul saves (ResNet-18 of
+    4 members, forward: 0.78 of a loop with 4x4 maps as matmuls, 0.74 without, interleaved in
+    one process).
 
     In inference on the CPU (autograd off), a shared 4-D input with ``groups=1`` (the stem of a
     CNN) goes in in channels-last memory format, which oneDNN keeps in its output, and so do the
@@ -42,7 +45,13 @@ class ConvolutionKernel:
     0.9 to 0.74 of a loop (``benchmarks/ensemble_architectures_benchmarks_test.py``). Outputs
     that are feature maps come back with channels-last strides. With autograd on, the format
     stays contiguous: there the gradients through channels-last BatchNorm and convolutions were
-    3-4x further from float64 than the loop's own (2e-4 against 5e-5, relative)."""
+    3-4x further from float64 than the loop's own (2e-4 against 5e-5, relative). A
+    convolution whose filters outnumber its input's elements (the deep layers: many channels,
+    small maps) takes its input contiguous instead: on a channels-last input oneDNN copies the
+    filters into channels-last at every call, a transposing copy that cost more than the
+    convolution on ResNet-18's layer3 (3.9 ms against 2.2 ms a call, 4 members), where making
+    the small input contiguous costs little (ResNet-18 of 4 members, forward: 0.73 of a loop
+    against 0.78)."""
 
     route = "grouped convolution"
     fresh = True
@@ -69,6 +78,7 @@ class ConvolutionKernel:
             and module.groups == 1
             and not isinstance(self.padding, str)
         )
+        self.pointwise = self.matmul_ok and self.kernel_size == (1, 1) and self.padding == (0, 0)
 
     def __call__(self, x: Tensor, bdim: int | None) -> tuple[Tensor, int] | None:
         spatial, count = self.spatial, self.count
@@ -90,6 +100,12 @@ class ConvolutionKernel:
             channels, groups = channels_side_by_side(x, bdim, count), self.groups * count
         if self.pad_first:
             channels = F.pad(channels, self.pad_first, mode=self.padding_mode)
+        if (
+            not channels.is_contiguous()
+            and channels.is_contiguous(memory_format=torch.channels_last)
+            and weight.numel() > channels.numel()
+        ):
+            channels = channels.contiguous()  # see the class docstring: filters outnumber inputs
         if groups == count and self.matmul_ok and channels.is_cpu:
             out = self._small_maps_as_matmul(channels, weight, bias)
             if out is not None:
@@ -128,13 +144,19 @@ class ConvolutionKernel:
             )
         ]
         positions = out_hw[0] * out_hw[1]
-        if positions > MATMUL_POSITIONS or positions <= 0:
+        limit = POINTWISE_MATMUL_POSITIONS if self.pointwise else MATMUL_POSITIONS
+        if positions > limit or positions <= 0:
             return None
         count, out_channels = weight.shape[0], weight.shape[1]
-        patches = F.unfold(channels, self.kernel_size, self.dilation, self.padding, self.stride)
-        # (batch, members * in channels * kh * kw, positions), member-major, as the weights are
-        depth = patches.shape[1] // count
-        patches = patches.view(batch, count, depth, positions).permute(1, 2, 0, 3)
+        if self.pointwise:  # each patch is one input pixel: the strided pixels, in one copy
+            pixels = channels[:, :, :: self.stride[0], :: self.stride[1]]
+            depth = pixels.shape[1] // count
+            patches = pixels.unflatten(1, (count, depth)).permute(1, 2, 0, 3, 4)
+        else:
+            patches = F.unfold(channels, self.kernel_size, self.dilation, self.padding, self.stride)
+            # (batch, members * in channels * kh * kw, positions), member-major, as the weights
+            depth = patches.shape[1] // count
+            patches = patches.view(batch, count, depth, positions).permute(1, 2, 0, 3)
         patches = patches.reshape(count, depth, batch * positions)
         filters = weight.reshape(count, out_channels, depth)
         if bias is None:
@@ -145,8 +167,11 @@ class ConvolutionKernel:
         return out.contiguous()
 
 
-MATMUL_POSITIONS = 16
-"""The most positions per output map (4x4) at which a CPU ``Conv2d`` runs as a batched matmul."""
+MATMUL_POSITIONS = 4
+"""The most positions per output map (2x2) at which a CPU ``Conv2d`` runs as a batched matmul."""
+
+POINTWISE_MATMUL_POSITIONS = 16
+"""The same for a 1x1 ``Conv2d`` without padding (4x4), whose patches need no unfolding."""
 
 
 def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
