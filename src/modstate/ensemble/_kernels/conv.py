@@ -35,23 +35,24 @@ class ConvolutionKernel:
     grouped convolution is slow: measured on a 2-core x86 server for torchvision ResNet-18's
     layer4 shapes, 4 members, it took 1.5-3x the matmul. On 4x4 maps a 3x3 convolution is
     faster grouped: unfolding (``im2col``) then costs as much as the matmul saves (ResNet-18 of
-    4 members, forward: 0.78 of a loop with 4x4 maps as matmuls, 0.74 without, interleaved in
-    one process).
+    4 members, forward: 0.78-0.80 of a loop with 4x4 maps as matmuls, 0.74-0.78 without,
+    interleaved in one process).
 
     In inference on the CPU (autograd off), a shared 4-D input with ``groups=1`` (the stem of a
     CNN) goes in in channels-last memory format, which oneDNN keeps in its output, and so do the
     BatchNorm, activations, pooling and convolutions after it: max pooling is about 18x faster on
     channels-last maps than on contiguous ones, and torchvision ResNet-18 of 4 members went from
     0.9 to 0.74 of a loop (``benchmarks/ensemble_architectures_benchmarks_test.py``). Outputs
-    that are feature maps come back with channels-last strides. With autograd on, the format
+    that are feature maps come back with channels-last strides (contiguous after a deep
+    convolution, see below). With autograd on, the format
     stays contiguous: there the gradients through channels-last BatchNorm and convolutions were
     3-4x further from float64 than the loop's own (2e-4 against 5e-5, relative). A
     convolution whose filters outnumber its input's elements (the deep layers: many channels,
     small maps) takes its input contiguous instead: on a channels-last input oneDNN copies the
-    filters into channels-last at every call, a transposing copy that cost more than the
-    convolution on ResNet-18's layer3 (3.9 ms against 2.2 ms a call, 4 members), where making
-    the small input contiguous costs little (ResNet-18 of 4 members, forward: 0.73 of a loop
-    against 0.78)."""
+    filters into channels-last at every call, a transposing copy (ResNet-18's layer3, 4 members:
+    3.9 ms a call beside a 5.5 ms convolution; from a contiguous input the convolution takes
+    6.9 ms, and there is no copy), where making the small input contiguous costs little
+    (ResNet-18 of 4 members, forward: 0.73 of a loop against 0.78)."""
 
     route = "grouped convolution"
     fresh = True
