@@ -44,15 +44,15 @@ class ConvolutionKernel:
     channels-last maps than on contiguous ones, and torchvision ResNet-18 of 4 members went from
     0.9 to 0.74 of a loop (``benchmarks/ensemble_architectures_benchmarks_test.py``). Outputs
     that are feature maps come back with channels-last strides (contiguous after a deep
-    convolution, see below). With autograd on, the format
-    stays contiguous: there the gradients through channels-last BatchNorm and convolutions were
-    3-4x further from float64 than the loop's own (2e-4 against 5e-5, relative). A
-    convolution whose filters outnumber its input's elements (the deep layers: many channels,
-    small maps) takes its input contiguous instead: on a channels-last input oneDNN copies the
-    filters into channels-last at every call, a transposing copy (ResNet-18's layer3, 4 members:
-    3.9 ms a call beside a 5.5 ms convolution; from a contiguous input the convolution takes
-    6.9 ms, and there is no copy), where making the small input contiguous costs little
-    (ResNet-18 of 4 members, forward: 0.73 of a loop against 0.78)."""
+    convolution, see below). With autograd on, the format stays contiguous: there the gradients
+    through channels-last BatchNorm and convolutions were 3-4x further from float64 than the
+    loop's own (2e-4 against 5e-5, relative). On the CPU, a convolution whose filters outnumber
+    its input's elements (the deep layers: many channels, small maps) takes its input contiguous
+    instead: on a channels-last input oneDNN copies the filters into channels-last at every
+    call, a transposing copy (ResNet-18's layer3, 4 members: 3.9 ms a call beside a 5.5 ms
+    convolution; from a contiguous input the convolution takes 6.9 ms, and there is no copy),
+    where making the small input contiguous costs little (ResNet-18 of 4 members, forward: 0.73
+    of a loop against 0.78)."""
 
     route = "grouped convolution"
     fresh = True
@@ -102,7 +102,8 @@ class ConvolutionKernel:
         if self.pad_first:
             channels = F.pad(channels, self.pad_first, mode=self.padding_mode)
         if (
-            not channels.is_contiguous()
+            channels.is_cpu
+            and not channels.is_contiguous()
             and channels.is_contiguous(memory_format=torch.channels_last)
             and weight.numel() > channels.numel()
         ):
