@@ -45,8 +45,8 @@ CONVOLUTIONS = {
         (2, 2, 7),
     ),
     "residual_block": (ResidualBlock, (2, 4, 6, 6)),
-    # output maps of at most 4 positions (16 for a 1x1 convolution): a batched matmul over
-    # unfolded patches (with in_dims=0)
+    # output maps of at most 4 positions (16 for a 1x1 convolution, or for a small batch): a
+    # batched matmul over unfolded patches (with in_dims=0)
     "conv2d_small_maps": (lambda: nn.Conv2d(4, 6, 3, padding=1), (2, 4, 2, 2)),
     "conv2d_1x1_strided_small_maps": (lambda: nn.Conv2d(4, 6, 1, stride=2), (2, 4, 6, 6)),
     "conv2d_1x1_reflect_small_maps": (
@@ -89,18 +89,21 @@ def test_small_output_maps_run_as_a_batched_matmul_and_larger_ones_as_a_grouped_
         return out
 
     monkeypatch.setattr(conv.ConvolutionKernel, "_small_maps_as_matmul", spy)
-    cases = [
-        (lambda: nn.Conv2d(4, 6, 3, padding=1), 2, "matmul"),  # 4 positions
-        (lambda: nn.Conv2d(4, 6, 3, padding=1), 3, "grouped"),  # 9
-        (lambda: nn.Conv2d(4, 6, 1), 4, "matmul"),  # 1x1: 16 positions, no unfolding
-        (lambda: nn.Conv2d(4, 6, 1, stride=2), 7, "matmul"),  # 1x1, strided: 4x4 of 7x7
-        (lambda: nn.Conv2d(4, 6, 1), 5, "grouped"),  # 1x1: 25
+    conv3x3, conv1x1 = (lambda: nn.Conv2d(4, 6, 3, padding=1)), (lambda: nn.Conv2d(4, 6, 1))
+    cases = [  # (layer, batch, side of the maps, route)
+        (conv3x3, 20, 2, "matmul"),  # 4 positions: a matmul whatever the batch
+        (conv3x3, 4, 4, "matmul"),  # 16 positions, 64 columns (batch x positions)
+        (conv3x3, 5, 4, "grouped"),  # 16 positions, 80 columns
+        (conv3x3, 1, 5, "grouped"),  # 25 positions
+        (conv1x1, 5, 4, "matmul"),  # 1x1: 16 positions whatever the batch, no unfolding
+        (lambda: nn.Conv2d(4, 6, 1, stride=2), 5, 7, "matmul"),  # 1x1, strided: 4x4 of 7x7
+        (conv1x1, 1, 5, "grouped"),  # 1x1: 25
     ]
-    for layer, side, route in cases:
+    for layer, batch, side, route in cases:
         routes.clear()
-        inputs = functools.partial(lambda side: (torch.randn(3, 2, 4, side, side),), side)
+        inputs = functools.partial(lambda b, side: (torch.randn(3, b, 4, side, side),), batch, side)
         assert_like_the_loop(layer, inputs, in_dims=0)
-        assert routes and set(routes) == {route}, (layer(), side)
+        assert routes and set(routes) == {route}, (layer(), batch, side)
 
 
 def test_in_inference_deep_convolutions_take_their_input_contiguous():

@@ -29,14 +29,16 @@ class ConvolutionKernel:
 
     On the CPU, a ``Conv2d`` (``groups=1``) whose output maps have at most `MATMUL_POSITIONS`
     positions (the last layers of a CNN: 2x2) runs as one batched matmul over the members
-    instead, on its unfolded input patches (``F.unfold``), with the same layout out; a 1x1
-    convolution (a ResNet's downsampling shortcut) does so up to `POINTWISE_MATMUL_POSITIONS`
-    (4x4), its patches being its input's pixels (a strided slice, no unfold). There oneDNN's
+    instead, on its unfolded input patches (``F.unfold``), with the same layout out; up to 4x4
+    maps it does so for a small batch (at most `MATMUL_COLUMNS` columns, batch x positions); a
+    1x1 convolution (a ResNet's downsampling shortcut) does so up to 4x4 maps whatever the
+    batch, its patches being its input's pixels (a strided slice, no unfold). There oneDNN's
     grouped convolution is slow: measured on a 2-core x86 server for torchvision ResNet-18's
-    layer4 shapes, 4 members, it took 1.5-3x the matmul. On 4x4 maps a 3x3 convolution is
-    faster grouped: unfolding (``im2col``) then costs as much as the matmul saves (ResNet-18 of
-    4 members, forward: 0.78-0.80 of a loop with 4x4 maps as matmuls, 0.74-0.78 without,
-    interleaved in one process).
+    layer4 shapes, 4 members, it took 1.5-3x the matmul. On 4x4 maps and a batch of 8, a 3x3
+    convolution is faster grouped: unfolding (``im2col``) costs about what the matmul saves
+    (ResNet-18 of 4 members, 8x3x64x64, forward: 0.76 of a loop with layer3 as matmuls, 0.70
+    grouped); with a batch of 2 the matmul is faster (0.75 against 0.78 on 2x3x64x64; each
+    pair interleaved in one process).
 
     In inference on the CPU (autograd off), a shared 4-D input with ``groups=1`` (the stem of a
     CNN) goes in in channels-last memory format, which oneDNN keeps in its output, and so do the
@@ -146,8 +148,13 @@ class ConvolutionKernel:
             )
         ]
         positions = out_hw[0] * out_hw[1]
-        limit = POINTWISE_MATMUL_POSITIONS if self.pointwise else MATMUL_POSITIONS
-        if positions > limit or positions <= 0:
+        if positions <= 0 or positions > POINTWISE_MATMUL_POSITIONS:
+            return None
+        if (
+            not self.pointwise
+            and positions > MATMUL_POSITIONS
+            and (positions > MATMUL_SMALL_BATCH_POSITIONS or batch * positions > MATMUL_COLUMNS)
+        ):
             return None
         count, out_channels = weight.shape[0], weight.shape[1]
         if self.pointwise:  # each patch is one input pixel: the strided pixels, in one copy
@@ -172,8 +179,15 @@ class ConvolutionKernel:
 MATMUL_POSITIONS = 4
 """The most positions per output map (2x2) at which a CPU ``Conv2d`` runs as a batched matmul."""
 
+MATMUL_SMALL_BATCH_POSITIONS = 16
+MATMUL_COLUMNS = 64
+"""Up to `MATMUL_SMALL_BATCH_POSITIONS` positions (4x4), a ``Conv2d`` runs as a batched matmul
+too when its matmul has at most `MATMUL_COLUMNS` columns (batch x positions: a batch of 4 or
+less on 4x4 maps)."""
+
 POINTWISE_MATMUL_POSITIONS = 16
-"""The same for a 1x1 ``Conv2d`` without padding (4x4), whose patches need no unfolding."""
+"""The most positions (4x4) at which a 1x1 ``Conv2d`` without padding runs as a batched matmul,
+whose patches need no unfolding."""
 
 
 def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
