@@ -148,13 +148,13 @@ class ConvolutionKernel:
             )
         ]
         positions = out_hw[0] * out_hw[1]
-        if positions <= 0 or positions > POINTWISE_MATMUL_POSITIONS:
-            return None
-        if (
-            not self.pointwise
-            and positions > MATMUL_POSITIONS
-            and (positions > MATMUL_SMALL_BATCH_POSITIONS or batch * positions > MATMUL_COLUMNS)
-        ):
+        if self.pointwise:
+            limit = POINTWISE_MATMUL_POSITIONS
+        elif batch * positions <= MATMUL_COLUMNS:
+            limit = MATMUL_SMALL_BATCH_POSITIONS
+        else:
+            limit = MATMUL_POSITIONS
+        if positions <= 0 or positions > limit:
             return None
         count, out_channels = weight.shape[0], weight.shape[1]
         if self.pointwise:  # each patch is one input pixel: the strided pixels, in one copy
