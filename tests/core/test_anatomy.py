@@ -41,3 +41,48 @@ def test_a_module_and_its_anatomy_go_together_without_the_cycle_collector(make):
         assert module() is None
     finally:
         gc.enable()
+
+
+def _assign_anew(model: nn.Module) -> None:
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+
+
+def _new_parameter(model: nn.Module) -> None:
+    model[0].weight = nn.Parameter(torch.zeros(4, 3))
+
+
+def _new_buffer(model: nn.Module) -> None:
+    model[1].register_buffer("running_mean", torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    ("replace", "freed"),
+    [(_assign_anew, [True, True]), (_new_parameter, [True, False]), (_new_buffer, [False, True])],
+    ids=["assign", "parameter", "buffer"],
+)
+def test_a_tensor_the_module_lets_go_is_freed_at_once_and_the_next_call_sees_its_successor(
+    replace, freed
+):
+    # The anatomy cached by the first call knows the tensors by id and weak reference: replacing
+    # them (load_state_dict(assign=True), a new Parameter, fully_shard) frees the old ones at once,
+    # not at the next modstate call on the module.
+    model = sequential()
+    x = torch.randn(5, 3)
+    params, state = ms.split(model, detach=True)
+    ms.apply(model, params, state, x)
+    del params, state
+    gc.collect()
+    gc.disable()
+    try:
+        olds = [weakref.ref(t) for t in (model[0].weight, model[1].running_mean)]
+        replace(model)
+        assert [old() is None for old in olds] == freed  # what was replaced is gone already
+    finally:
+        gc.enable()
+    tree = ms.extract(model)
+    assert tree["0"]["weight"] is model[0].weight
+    assert tree["1"]["running_mean"] is model[1].running_mean
+    new = ms.tree.map(lambda t: t.detach() + 1, tree)
+    with torch.no_grad():
+        expected = torch.func.functional_call(model, ms.flatten(new), x)
+        assert torch.equal(ms.call(model, new, x), expected)

@@ -132,7 +132,10 @@ class Anatomy:
     ``slots`` is in ``state_dict`` order (own parameters, own buffers, then children, depth first),
     one entry per path: tied tensors appear at each path that holds them. A module reachable twice
     is visited once, as ``named_modules`` does. The anatomy holds no reference to the root module
-    (it is cached under a weak reference to it), only to its dicts, its children and its tensors.
+    (it is cached under a weak reference to it), only to its dicts and its children; its tensors
+    it knows by id and weak reference, so a tensor that the module lets go (``load_state_dict(...,
+    assign=True)``, a parameter assigned anew, ``fully_shard``) is freed at once, not kept until
+    the next call on the module.
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -168,7 +171,14 @@ class Anatomy:
         self.ordered: list[Slot] = [self.slots[i] for i in order]
         self.tables = [slot.table for slot in self.ordered]
         self.names = [slot.name for slot in self.ordered]
-        self.held = list(map(_own, self.tables, self.names))
+        # What each slot holds, known by id; a freed tensor (whose id another may take) marks
+        # the anatomy stale through its weak reference, so equal ids mean the same tensors.
+        held = list(map(_own, self.tables, self.names))
+        self.held_ids = list(map(id, held))
+        self._freed = _Freed()
+        self._refs = [
+            weakref.ref(tensor, self._freed) for tensor in {id(t): t for t in held}.values()
+        ]
         # For a private swap of the whole plan: each slot's key in a call's layer, and the
         # distinct ``layers`` dicts of the tables (see tables.py).
         self.layout: tuple[list[tuple[int, str]], list[dict[int, Any]]] | None = None
@@ -201,9 +211,7 @@ class Anatomy:
     def holding(self) -> list[Any]:
         """What each slot holds, in plan order, as the calling thread sees it: the module's own
         tensors, or inside a stateless call in this thread, that call's."""
-        if calls_here():
-            return list(map(_getitem, self.tables, self.names))
-        return self.held
+        return list(map(_getitem if calls_here() else _own, self.tables, self.names))
 
     @property
     def guarded(self) -> list[nn.Module]:
@@ -244,9 +252,10 @@ class Anatomy:
         """Whether the module still has exactly the structure and tensors this anatomy saw."""
         try:
             return (
-                list(map(len, self.dicts)) == self.dict_lens
+                not self._freed.any
+                and list(map(len, self.dicts)) == self.dict_lens
                 and all(map(_is, map(_getitem, self.child_tables, self.child_names), self.children))
-                and all(map(_is, map(_own, self.tables, self.names), self.held))
+                and list(map(id, map(_own, self.tables, self.names))) == self.held_ids
             )
         except KeyError:
             return False
@@ -259,6 +268,18 @@ class Anatomy:
         """A fresh nested dict shaped like ``template`` holding ``leaves`` (in plan order)."""
         tree: dict[str, Any] = optree.tree_unflatten(self.treespec, leaves)  # type: ignore[assignment]
         return tree
+
+
+class _Freed:
+    """The callback of the weak references to an anatomy's tensors: set once one is freed."""
+
+    __slots__ = ("any",)
+
+    def __init__(self) -> None:
+        self.any = False
+
+    def __call__(self, _: weakref.ref[Any]) -> None:
+        self.any = True
 
 
 def _has_tensor_attributes(module: nn.Module) -> bool:
