@@ -55,17 +55,26 @@ def _new_buffer(model: nn.Module) -> None:
     model[1].register_buffer("running_mean", torch.ones(4))
 
 
+def _new_submodule(model: nn.Module) -> None:
+    model[0] = nn.Linear(3, 4)
+
+
 @pytest.mark.parametrize(
     ("replace", "freed"),
-    [(_assign_anew, [True, True]), (_new_parameter, [True, False]), (_new_buffer, [False, True])],
-    ids=["assign", "parameter", "buffer"],
+    [
+        (_assign_anew, [True, True]),
+        (_new_parameter, [True, False]),
+        (_new_buffer, [False, True]),
+        (_new_submodule, [True, False]),
+    ],
+    ids=["assign", "parameter", "buffer", "submodule"],
 )
 def test_a_tensor_the_module_lets_go_is_freed_at_once_and_the_next_call_sees_its_successor(
     replace, freed
 ):
-    # The anatomy cached by the first call knows the tensors by id and weak reference: replacing
-    # them (load_state_dict(assign=True), a new Parameter, fully_shard) frees the old ones at once,
-    # not at the next modstate call on the module.
+    # The anatomy cached by the first call knows the tensors and submodules by id and weak
+    # reference: replacing them (load_state_dict(assign=True), a new Parameter or submodule,
+    # fully_shard) frees the old ones at once, not at the next modstate call on the module.
     model = sequential()
     x = torch.randn(5, 3)
     params, state = ms.split(model, detach=True)

@@ -132,10 +132,10 @@ class Anatomy:
     ``slots`` is in ``state_dict`` order (own parameters, own buffers, then children, depth first),
     one entry per path: tied tensors appear at each path that holds them. A module reachable twice
     is visited once, as ``named_modules`` does. The anatomy holds no reference to the root module
-    (it is cached under a weak reference to it), only to its dicts and its children; its tensors
-    it knows by id and weak reference, so a tensor that the module lets go (``load_state_dict(...,
-    assign=True)``, a parameter assigned anew, ``fully_shard``) is freed at once, not kept until
-    the next call on the module.
+    (it is cached under a weak reference to it), only to its dicts; its tensors and children it
+    knows by id and weak reference, so a tensor or a submodule that the module lets go
+    (``load_state_dict(..., assign=True)``, a parameter or a submodule assigned anew,
+    ``fully_shard``) is freed at once, not kept until the next call on the module.
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -171,14 +171,9 @@ class Anatomy:
         self.ordered: list[Slot] = [self.slots[i] for i in order]
         self.tables = [slot.table for slot in self.ordered]
         self.names = [slot.name for slot in self.ordered]
-        # What each slot holds, known by id; a freed tensor (whose id another may take) marks
-        # the anatomy stale through its weak reference, so equal ids mean the same tensors.
+        # What each slot holds, known by id (see `_Freed`).
         held = list(map(_own, self.tables, self.names))
         self.held_ids = list(map(id, held))
-        self._freed = _Freed()
-        self._refs = [
-            weakref.ref(tensor, self._freed) for tensor in {id(t): t for t in held}.values()
-        ]
         # For a private swap of the whole plan: each slot's key in a call's layer, and the
         # distinct ``layers`` dicts of the tables (see tables.py).
         self.layout: tuple[list[tuple[int, str]], list[dict[int, Any]]] | None = None
@@ -196,16 +191,23 @@ class Anatomy:
         self.dicts: list[dict[str, Any]] = []
         self.child_tables: list[dict[str, Any]] = []
         self.child_names: list[str] = []
-        self.children: list[Any] = []
+        children: list[Any] = []
         for _, m in modules:
             self.dicts += (m._parameters, m._buffers, m._modules)
             for name, child in m._modules.items():
                 self.child_tables.append(m._modules)
                 self.child_names.append(name)
-                self.children.append(child)
+                children.append(child)
+        self.child_ids = list(map(id, children))
         self.dict_lens = list(map(len, self.dicts))
         # A child that leads back to the root would keep the weakly cached root alive.
-        self.cacheable = all(child is not root for child in self.children)
+        self.cacheable = all(child is not root for child in children)
+        # The tensors and children are known by id and held by weak reference only (see
+        # `_Freed`): one that the module lets go is freed at once, with what the anatomy holds
+        # of it.
+        self._freed = _Freed(root, self)
+        watched = {id(t): t for t in (*held, *children) if t is not None}
+        self._refs = [weakref.ref(t, self._freed) for t in watched.values()]
 
     @property
     def holding(self) -> list[Any]:
@@ -254,7 +256,8 @@ class Anatomy:
             return (
                 not self._freed.any
                 and list(map(len, self.dicts)) == self.dict_lens
-                and all(map(_is, map(_getitem, self.child_tables, self.child_names), self.children))
+                and list(map(id, map(_getitem, self.child_tables, self.child_names)))
+                == self.child_ids
                 and list(map(id, map(_own, self.tables, self.names))) == self.held_ids
             )
         except KeyError:
@@ -271,15 +274,25 @@ class Anatomy:
 
 
 class _Freed:
-    """The callback of the weak references to an anatomy's tensors: set once one is freed."""
+    """The callback of the weak references to an anatomy's tensors and children, run when one
+    of them is freed (the module let it go: ``load_state_dict(..., assign=True)``, a parameter
+    or a submodule assigned anew, ``fully_shard``). It marks the anatomy stale (another object
+    may now take the freed one's id, so equal ids mean the same objects only while this is
+    unset) and drops it from the cache, with the dicts it holds of a replaced submodule, so
+    that nothing of what the module let go outlives it until the next call."""
 
-    __slots__ = ("any",)
+    __slots__ = ("_anatomy", "_root", "any")
 
-    def __init__(self) -> None:
+    def __init__(self, root: nn.Module, anatomy: Anatomy) -> None:
         self.any = False
+        self._root = weakref.ref(root)
+        self._anatomy = weakref.ref(anatomy)
 
     def __call__(self, _: weakref.ref[Any]) -> None:
         self.any = True
+        root, anatomy = self._root(), self._anatomy()
+        if root is not None and anatomy is not None and _anatomies.get(root) is anatomy:
+            _anatomies.pop(root, None)
 
 
 def _has_tensor_attributes(module: nn.Module) -> bool:
