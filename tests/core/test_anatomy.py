@@ -95,3 +95,17 @@ def test_a_tensor_the_module_lets_go_is_freed_at_once_and_the_next_call_sees_its
     with torch.no_grad():
         expected = torch.func.functional_call(model, ms.flatten(new), x)
         assert torch.equal(ms.call(model, new, x), expected)
+
+
+def test_a_deleted_tensor_is_freed_at_once():
+    model = sequential()
+    ms.extract(model)
+    gc.collect()
+    gc.disable()
+    try:
+        old = weakref.ref(model[2].bias)
+        del model[2].bias
+        assert old() is None
+    finally:
+        gc.enable()
+    assert "bias" not in ms.extract(model)["2"]

@@ -271,3 +271,33 @@ def test_torchscript_fx_and_export_of_a_called_module():
     assert torch.equal(torch.jit.trace(m, (X,))(X), expected)
     assert torch.equal(torch.fx.symbolic_trace(m)(X), expected)
     assert torch.allclose(torch.export.export(m, (X,)).module()(X), expected)
+
+
+def test_a_table_tells_its_watchers_when_an_own_entry_is_replaced_or_deleted_not_a_layers():
+    # How an anatomy learns that the module let go of a tensor (see anatomy.py's Stale).
+    from modstate._core.tables import SlotTable
+
+    net = model()
+    ms.extract(net)  # the tables are SlotTables from here on
+    table = net[0]._parameters
+    assert isinstance(table, SlotTable)
+    told: list[str] = []
+
+    class Watcher:
+        def __call__(self) -> None:
+            told.append("changed")
+
+    watcher = Watcher()
+    table.watch(watcher)
+    net[0].weight = net[0].weight  # the same object again: nothing changed
+    assert told == []
+    with torch.no_grad():
+        ms.call(net, other_tree(net), X)  # a call writes its thread's layer, not the table
+    assert told == []
+    net[0].weight = nn.Parameter(torch.zeros(5, 3))
+    assert told == ["changed"]
+    table.watch(watcher)
+    del net[0].bias
+    assert told == ["changed", "changed"]
+    net[0].bias = nn.Parameter(torch.zeros(5))
+    assert told == ["changed", "changed"]  # told once, then forgotten until watched again

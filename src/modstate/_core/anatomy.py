@@ -132,10 +132,9 @@ class Anatomy:
     ``slots`` is in ``state_dict`` order (own parameters, own buffers, then children, depth first),
     one entry per path: tied tensors appear at each path that holds them. A module reachable twice
     is visited once, as ``named_modules`` does. The anatomy holds no reference to the root module
-    (it is cached under a weak reference to it), only to its dicts; its tensors and children it
-    knows by id and weak reference, so a tensor or a submodule that the module lets go
-    (``load_state_dict(..., assign=True)``, a parameter or a submodule assigned anew,
-    ``fully_shard``) is freed at once, not kept until the next call on the module.
+    (it is cached under a weak reference to it), only to its dicts and its tensors; its children
+    it knows by id and weak reference. It leaves the cache as soon as the module lets go of a
+    tensor or a child (see `Stale`), which is then freed at once, not at the next call.
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -171,9 +170,7 @@ class Anatomy:
         self.ordered: list[Slot] = [self.slots[i] for i in order]
         self.tables = [slot.table for slot in self.ordered]
         self.names = [slot.name for slot in self.ordered]
-        # What each slot holds, known by id (see `_Freed`).
-        held = list(map(_own, self.tables, self.names))
-        self.held_ids = list(map(id, held))
+        self.held = list(map(_own, self.tables, self.names))
         # For a private swap of the whole plan: each slot's key in a call's layer, and the
         # distinct ``layers`` dicts of the tables (see tables.py).
         self.layout: tuple[list[tuple[int, str]], list[dict[int, Any]]] | None = None
@@ -202,18 +199,22 @@ class Anatomy:
         self.dict_lens = list(map(len, self.dicts))
         # A child that leads back to the root would keep the weakly cached root alive.
         self.cacheable = all(child is not root for child in children)
-        # The tensors and children are known by id and held by weak reference only (see
-        # `_Freed`): one that the module lets go is freed at once, with what the anatomy holds
-        # of it.
-        self._freed = _Freed(root, self)
-        watched = {id(t): t for t in (*held, *children) if t is not None}
-        self._refs = [weakref.ref(t, self._freed) for t in watched.values()]
+        # Letting go (see `Stale`): the children are known by id and held by weak reference,
+        # and the slot tables say when one of their own entries is replaced or deleted.
+        self._stale = Stale(root, self)
+        distinct_children = {id(c): c for c in children if c is not None}.values()
+        self._refs = [weakref.ref(child, self._stale) for child in distinct_children]
+        for table in {id(d): d for d in self.dicts}.values():
+            if type(table) is SlotTable:
+                table.watch(self._stale)
 
     @property
     def holding(self) -> list[Any]:
         """What each slot holds, in plan order, as the calling thread sees it: the module's own
         tensors, or inside a stateless call in this thread, that call's."""
-        return list(map(_getitem if calls_here() else _own, self.tables, self.names))
+        if calls_here():
+            return list(map(_getitem, self.tables, self.names))
+        return self.held
 
     @property
     def guarded(self) -> list[nn.Module]:
@@ -254,11 +255,11 @@ class Anatomy:
         """Whether the module still has exactly the structure and tensors this anatomy saw."""
         try:
             return (
-                not self._freed.any
+                not self._stale.found
                 and list(map(len, self.dicts)) == self.dict_lens
                 and list(map(id, map(_getitem, self.child_tables, self.child_names)))
                 == self.child_ids
-                and list(map(id, map(_own, self.tables, self.names))) == self.held_ids
+                and all(map(_is, map(_own, self.tables, self.names), self.held))
             )
         except KeyError:
             return False
@@ -273,23 +274,25 @@ class Anatomy:
         return tree
 
 
-class _Freed:
-    """The callback of the weak references to an anatomy's tensors and children, run when one
-    of them is freed (the module let it go: ``load_state_dict(..., assign=True)``, a parameter
-    or a submodule assigned anew, ``fully_shard``). It marks the anatomy stale (another object
-    may now take the freed one's id, so equal ids mean the same objects only while this is
-    unset) and drops it from the cache, with the dicts it holds of a replaced submodule, so
-    that nothing of what the module let go outlives it until the next call."""
+class Stale:
+    """How an anatomy lets go of what its module let go, so that it outlives nothing until the
+    next call: called when a slot table of the module replaces or deletes one of its own
+    entries (``load_state_dict(..., assign=True)``, a parameter or buffer assigned anew,
+    ``fully_shard``; see `SlotTable.watch`), and as the callback of the weak references to
+    the module's children, when one is freed (a submodule assigned anew). It marks the anatomy
+    stale (a freed child's id may be taken by another, so equal ids mean the same children
+    only while this is unset) and drops it from the cache, with the tensors and dicts it holds.
+    A call under way keeps what it uses."""
 
-    __slots__ = ("_anatomy", "_root", "any")
+    __slots__ = ("__weakref__", "_anatomy", "_root", "found")
 
     def __init__(self, root: nn.Module, anatomy: Anatomy) -> None:
-        self.any = False
+        self.found = False
         self._root = weakref.ref(root)
         self._anatomy = weakref.ref(anatomy)
 
-    def __call__(self, _: weakref.ref[Any]) -> None:
-        self.any = True
+    def __call__(self, _: object = None) -> None:
+        self.found = True
         root, anatomy = self._root(), self._anatomy()
         if root is not None and anatomy is not None and _anatomies.get(root) is anatomy:
             _anatomies.pop(root, None)

@@ -7,6 +7,9 @@ tensors into its own thread's layer and takes the layer away afterwards; the dic
 what every other thread reads, are never touched. So a call is invisible to other threads (other
 calls, a plain ``module(x)``), and calls are not serialized.
 
+A table also tells the anatomies built on it when one of its own entries is replaced or deleted
+(`SlotTable.watch`), so that they let go of the old tensor at once.
+
 Inside the calling thread the layer looks exactly as if the tensors had been swapped in:
 ``__getitem__``, ``get``, ``items`` and ``values`` show it (so ``forward``, ``parameters()`` and
 ``state_dict()`` see the call's tree), and ``__setitem__`` of a name the layer holds writes into
@@ -27,6 +30,8 @@ compiled code swap for every thread instead (``Anatomy.layered``).
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch.compiler import is_dynamo_compiling
@@ -50,12 +55,28 @@ class SlotTable(dict):  # type: ignore[type-arg]
     by every table the call fills, keyed by ``(table.tag, name)``. It is empty unless a call is
     running; only the swap engine writes it (``swaps.py``)."""
 
-    __slots__ = ("layers", "tag")
+    __slots__ = ("layers", "tag", "watchers")
 
     def __init__(self, entries: Any = ()) -> None:
         super().__init__(entries)
         self.layers: dict[int, dict[tuple[int, str], Any]] = {}
         self.tag = id(self)
+        self.watchers: list[weakref.ref[Callable[[], None]]] = []
+
+    def watch(self, watcher: Callable[[], None]) -> None:
+        """Call ``watcher()`` (held by weak reference) once one of the table's own entries is
+        replaced or deleted: the module let go of a tensor, which an anatomy built on this
+        table must not keep alive (``anatomy.py``'s `Stale`). A thread's layer is not watched."""
+        watchers = [ref for ref in self.watchers if ref() is not None]
+        watchers.append(weakref.ref(watcher))
+        self.watchers = watchers
+
+    def _changed(self) -> None:
+        watchers, self.watchers = self.watchers, []
+        for ref in watchers:
+            watcher = ref()
+            if watcher is not None:
+                watcher()
 
     def _mine(self) -> dict[str, Any] | None:
         """The calling thread's overrides in this table, or None when it has none."""
@@ -88,7 +109,14 @@ class SlotTable(dict):  # type: ignore[type-arg]
             if layer is not None and (self.tag, name) in layer:
                 layer[self.tag, name] = value
                 return
+        if self.watchers and _get_or(self, name, _MISSING) is not value:
+            self._changed()
         _set(self, name, value)
+
+    def __delitem__(self, name: str) -> None:
+        if not is_dynamo_compiling() and self.watchers:
+            self._changed()
+        super().__delitem__(name)
 
     def get(self, name: str, default: Any = None) -> Any:
         if is_dynamo_compiling():
