@@ -72,9 +72,10 @@ def _new_submodule(model: nn.Module) -> None:
 def test_a_tensor_the_module_lets_go_is_freed_at_once_and_the_next_call_sees_its_successor(
     replace, freed
 ):
-    # The anatomy cached by the first call knows the tensors and submodules by id and weak
-    # reference: replacing them (load_state_dict(assign=True), a new Parameter or submodule,
-    # fully_shard) frees the old ones at once, not at the next modstate call on the module.
+    # The anatomy cached by the first call leaves the cache as soon as the module lets go of a
+    # tensor (its slot table says so) or a submodule (held by weak reference): replacing them
+    # (load_state_dict(assign=True), a new Parameter or submodule, fully_shard) frees the old
+    # ones at once, not at the next modstate call on the module.
     model = sequential()
     x = torch.randn(5, 3)
     params, state = ms.split(model, detach=True)

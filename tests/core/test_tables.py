@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import modstate as ms
+from modstate._core.tables import SlotTable
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
 
@@ -275,8 +276,6 @@ def test_torchscript_fx_and_export_of_a_called_module():
 
 def test_a_table_tells_its_watchers_when_an_own_entry_is_replaced_or_deleted_not_a_layers():
     # How an anatomy learns that the module let go of a tensor (see anatomy.py's Stale).
-    from modstate._core.tables import SlotTable
-
     net = model()
     ms.extract(net)  # the tables are SlotTables from here on
     table = net[0]._parameters

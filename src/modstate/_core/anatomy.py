@@ -202,9 +202,8 @@ class Anatomy:
         # Letting go (see `Stale`): the children are known by id and held by weak reference,
         # and the slot tables say when one of their own entries is replaced or deleted.
         self._stale = Stale(root, self)
-        distinct_children = {id(c): c for c in children if c is not None}.values()
-        self._refs = [weakref.ref(child, self._stale) for child in distinct_children]
-        for table in {id(d): d for d in self.dicts}.values():
+        self._refs = [weakref.ref(child, self._stale) for child in children if child is not None]
+        for table in self.dicts:  # each module's own, once: the walk visits a module once
             if type(table) is SlotTable:
                 table.watch(self._stale)
 
