@@ -1,8 +1,10 @@
-"""A donated loop reuses the last step's analysis (optim/_repeat.py) only when the trees are the
-ones that step wrote: anything else takes the full path, with its checks and its numbers."""
+"""A loop of steps, donated or pure, reuses the last step's analysis (optim/_repeat.py) only when
+the trees are the ones that step returned: anything else takes the full path, with its checks
+and its numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -24,59 +26,108 @@ def make():
 
 
 def reference(opt, params, grads, steps):
-    """The same steps, pure: the full path every time."""
+    """The same steps, pure, each by a fresh copy of `opt`: the full path every time."""
     state = opt.init(params)
     for _ in range(steps):
-        params, state = opt.step(params, grads, state)
+        params, state = dataclasses.replace(opt).step(params, grads, state)
     return params
 
 
-@pytest.mark.parametrize(
-    "opt", [optim.sgd(lr=0.1, momentum=0.9, fused=True), optim.adam(lr=0.1), optim.nadam(lr=0.1)],
-    ids=["sgd-fused", "adam", "nadam"],
-)  # fmt: skip
-def test_a_donated_loop_reuses_the_analysis_and_keeps_the_numbers(opt, monkeypatch):
+def same(a, b):
+    return all(
+        torch.equal(x, y)
+        for x, y in zip(ms.flatten(a).values(), ms.flatten(b).values(), strict=True)
+    )
+
+
+OPTIMIZERS = [optim.sgd(lr=0.1, momentum=0.9, fused=True), optim.adam(lr=0.1), optim.nadam(lr=0.1)]
+IDS = ["sgd-fused", "adam", "nadam"]
+
+
+@pytest.fixture
+def reused(monkeypatch):
+    """Whether each call of `again` (the reuse) found the trees it remembered, in order."""
     from modstate.optim import _base
 
-    reused = []
+    found: list[bool] = []
+    again = _base.again
 
     def counting_again(*args):
         run = again(*args)
-        reused.append(run is not None)
+        found.append(run is not None)
         return run
 
-    again = _base.again
     monkeypatch.setattr(_base, "again", counting_again)
+    return found
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=IDS)
+def test_a_donated_loop_reuses_the_analysis_and_keeps_the_numbers(opt, reused):
     params, grads = make()
     want = reference(opt, ms.tree.clone(params), grads, 5)
+    reused.clear()
     state = opt.init(params)
     for _ in range(5):
         params, state = opt.step(params, grads, state, donate=True)
         assert opt.__dict__.get("_repeat") is not None  # remembered for the next step
     assert reused == [True] * 4  # every step after the first reused the analysis
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(ms.flatten(params).values(), ms.flatten(want).values(), strict=True)
-    )
+    assert same(params, want)
     assert int(state["step"]) == 5
 
 
-def test_trees_that_are_not_the_last_outputs_take_the_full_path():
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=IDS)
+def test_a_pure_loop_reuses_the_analysis_writes_no_input_and_keeps_the_numbers(opt, reused):
+    params, grads = make()
+    want = reference(opt, params, grads, 5)
+    reused.clear()
+    state = opt.init(params)
+    seen = []  # every step's inputs, and a copy of them as they were
+    for _ in range(5):
+        inputs = {"params": params, "state": state}
+        seen.append((inputs, ms.tree.clone(inputs)))
+        params, state = opt.step(params, grads, state)
+    assert reused == [True] * 4
+    assert same(params, want)
+    assert int(state["step"]) == 5
+    for inputs, as_they_were in seen:
+        assert same(inputs, as_they_were)  # no step wrote what it was given
+
+
+def test_a_pure_step_on_older_trees_takes_the_full_path_and_gives_the_same_numbers(reused):
+    opt = optim.adam(lr=0.1)
+    params, grads = make()
+    state = opt.init(params)
+    first, first_state = opt.step(params, grads, state)
+    second, _ = opt.step(first, grads, first_state)
+    again, _ = opt.step(first, grads, first_state)  # not the last outputs
+    assert reused == [True, False]
+    assert same(again, second)
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_trees_that_are_not_the_last_outputs_take_the_full_path(donate):
     opt = optim.sgd(lr=0.1, momentum=0.9, fused=True)
     params, grads = make()
     state = opt.init(params)
-    params, state = opt.step(params, grads, state, donate=True)
+    params, state = opt.step(params, grads, state, donate=donate)
     # Another tensor at a path: the full path checks it, and names the path.
     wrong = {"a": {"w": torch.zeros(3, 5)}, "b": params["b"]}
     with pytest.raises(ValueError, match=r"'a\.w': grads has shape \(5, 3\)"):
-        opt.step(wrong, grads, state, donate=True)
-    # A tensor whose shape changed in place (`.data =`) is not taken for the one remembered.
+        opt.step(wrong, grads, state, donate=donate)
+    # A tensor whose shape changed in place (`.data =`) is not taken for the one remembered,
+    # a param's or a buffer's.
     params, grads = make()
     state = opt.init(params)
-    params, state = opt.step(params, grads, state, donate=True)
+    params, state = opt.step(params, grads, state, donate=donate)
     params["b"].data = torch.zeros(6)
     with pytest.raises(ValueError, match=r"'b': grads has shape \(4,\)"):
-        opt.step(params, grads, state, donate=True)
+        opt.step(params, grads, state, donate=donate)
+    params, grads = make()
+    state = opt.init(params)
+    params, state = opt.step(params, grads, state, donate=donate)
+    state["momentum_buffer"]["b"].data = torch.zeros(6)
+    with pytest.raises(ValueError, match=r"'b': state\['momentum_buffer'\] has shape \(6,\)"):
+        opt.step(params, grads, state, donate=donate)
 
 
 def test_a_frozen_leaf_or_a_leaf_that_requires_grad_takes_the_full_path():
@@ -94,11 +145,13 @@ def test_a_frozen_leaf_or_a_leaf_that_requires_grad_takes_the_full_path():
     assert opt.__dict__.get("_repeat") is None  # and nothing was remembered
 
 
-def test_the_analysis_keeps_no_tensor_alive():
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_analysis_keeps_no_tensor_alive(donate):
     opt = optim.sgd(lr=0.1, momentum=0.9, fused=True)
     params, grads = make()
     state = opt.init(params)
-    params, state = opt.step(params, grads, state, donate=True)
+    params, state = opt.step(params, grads, state, donate=donate)
+    assert opt.__dict__.get("_repeat") is not None
     watched = weakref.ref(params["a"]["w"])
     del params, state
     gc.collect()

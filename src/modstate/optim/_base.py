@@ -19,7 +19,7 @@ from modstate._core.types import Tree
 from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
 from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
 from modstate.optim._lists import LeafOps, Scalar
-from modstate.optim._repeat import Repeat, again, in_place
+from modstate.optim._repeat import Repeat, again, distinct, in_place
 from modstate.optim._run import Run, one
 from modstate.optim._tree import (
     StepLeaves,
@@ -158,8 +158,8 @@ class ElementwiseOptimizer:
             (tensor([0.5000, 0.5000]), tensor([1., 1.]))
         """
         names = self.buffer_names
-        repeat = self.__dict__.get("_repeat") if donate else None
-        if repeat is not None:
+        repeat = self.__dict__.get("_repeat")
+        if repeat is not None and repeat.donated == donate:
             run = again(repeat, params, grads, state, self.scalar_names)
             if run is not None:
                 return self._finish_again(repeat, run, names)
@@ -207,16 +207,17 @@ class ElementwiseOptimizer:
             donate,
             new_step,
         )
+        inputs = (leaves.params, leaves.buffers)
         new_scalars = self._update_run(run)
-        if donate:
-            # Remember what this step found, for the next step of a donated loop (`_repeat`).
-            remember = run.donated and leaves.simple and self._constant_hyperparameters()
-            found = Repeat(leaves, state, self.scalar_names, kernel, hyper)
-            kept = found if remember and in_place(run, leaves.params, leaves.buffers) else None
-            object.__setattr__(self, "_repeat", kept)  # a cache, not a field
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
-        return leaves.rebuild(leaves.params, run.p), new_state
+        new_params = leaves.rebuild(leaves.params, run.p)
+        # Remember what this step found, for the next step of the loop (`_repeat`).
+        kept = None
+        if run.ops.foreach and leaves.simple and self._constant_hyperparameters():
+            kept = self._remembered(leaves.treedef, run, inputs, new_scalars, kernel, hyper)
+        object.__setattr__(self, "_repeat", kept)  # a cache, not a field
+        return new_params, new_state
 
     def _update_run(self, run: Run) -> dict[str, Tensor]:
         """The update, with the kernel the run chose (fused, by chunks, or as it is)."""
@@ -229,16 +230,42 @@ class ElementwiseOptimizer:
     def _finish_again(
         self, repeat: Repeat, run: Run, names: tuple[str, ...]
     ) -> tuple[Tree, dict[str, Any]]:
-        """The rest of a step that `_repeat` recognised as the next of a donated loop."""
+        """The rest of a step that `_repeat` recognised as the next of a loop."""
         params, buffers = list(run.p), {name: list(run.buffers[name]) for name in names}
         new_scalars = self._update_run(run)
-        if not in_place(run, params, buffers):
-            object.__setattr__(self, "_repeat", None)
+        if repeat.donated:
+            kept = repeat if in_place(run, params, buffers) else None
+        else:
+            kept = repeat.renewed(run.p, run.buffers, run.step, new_scalars)
+        object.__setattr__(self, "_repeat", kept)
         treedef = repeat.treedef
         new_state: dict[str, Any] = {"step": run.step, **new_scalars}
         new_state.update({n: treedef.unflatten(run.buffers[n]) for n in names})
         new_params: Any = treedef.unflatten(run.p)
         return new_params, new_state
+
+    def _remembered(
+        self,
+        treedef: Any,
+        run: Run,
+        inputs: tuple[list[Tensor], dict[str, list[Tensor]]],
+        new_scalars: dict[str, Tensor],
+        kernel: str,
+        hyper: dict[str, Any],
+    ) -> Repeat | None:
+        """What the next step of the loop may reuse of this finished eager step: a donated step
+        that wrote every param and buffer in place, or a pure one whose outputs are distinct
+        tensors; else None. `run` holds every leaf (a simple tree) in `treedef`'s order, and
+        `inputs` the params and buffers (name -> leaves) it was given."""
+        if run.donated:
+            if not in_place(run, *inputs):
+                return None
+        elif not distinct(run.p, run.buffers):
+            return None
+        scalars = {name: new_scalars[name] for name in self.scalar_names if name in new_scalars}
+        return Repeat(
+            treedef, run.p, run.buffers, run.step, scalars, kernel, hyper, donated=run.donated
+        )
 
     def _constant_hyperparameters(self) -> dict[str, Any] | None:
         """The hyperparameters as a dict, when they are all numbers (no schedule, no tensor):

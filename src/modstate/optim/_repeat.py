@@ -1,15 +1,16 @@
-"""`Repeat`: what a donated step found out, kept for the next step of the same loop.
+"""`Repeat`: what a step found out, kept for the next step of the same loop.
 
 In an ordinary training loop, ``params, state = opt.step(params, grads, state, donate=True)``
-hands every step the very tensors the last step wrote in place. Most of a step's bookkeeping
-(walking the trees, deciding the kernel, looking for ties and complex leaves) then finds what it
-found last time, and on a small model it costs as much as the kernel itself. A donated eager step
-that wrote everything in place remembers its analysis here; the next call reuses it once it has
-checked, cheaply, that the trees are those it wrote (the same structure, the same tensor objects
-by ``id``, with the same shapes, dtypes, layouts and devices), that the gradients fit, and that
-nothing requires grad. Anything else takes the full path, which checks everything and names what
-does not fit. Only ids are kept (no reference to a tensor); a reused id is harmless, since every
-fact the analysis depends on is checked again.
+hands every step the very tensors the last step wrote in place; a pure loop
+(``params, state = opt.step(params, grads, state)``) hands it the very tensors the last step
+returned. Most of a step's bookkeeping (walking the trees, deciding the kernel, looking for ties
+and complex leaves) then finds what it found last time, and on a small model it costs as much as
+the kernel itself. An eager step remembers its analysis here, with the ids of the trees it
+returned; the next call reuses it once it has checked, cheaply, that the trees are those (the
+same structure, the same tensor objects by ``id``, with the same shapes, dtypes, layouts and
+devices), that the gradients fit, and that nothing requires grad. Anything else takes the full
+path, which checks everything and names what does not fit. Only ids are kept (no reference to a
+tensor); a reused id is harmless, since every fact the analysis depends on is checked again.
 """
 
 from __future__ import annotations
@@ -25,20 +26,22 @@ from modstate._core.torch_facts import functorch_active
 from modstate.optim._kernels import FOREACH
 from modstate.optim._lists import LeafOps
 from modstate.optim._run import Run, one
-from modstate.optim._tree import StepLeaves
 
 
 class Repeat:
-    """The analysis of one donated step that wrote every param and buffer in place."""
+    """The analysis of one eager step, and the ids of the trees it returned: the params and
+    buffers it wrote in place (`donated`), or the new ones it made (a pure step)."""
 
     __slots__ = (
         "buffer_ids",
+        "donated",
         "grad_signature",
         "hyper",
         "kernel",
         "keys",
         "param_ids",
         "scalar_ids",
+        "scalar_names",
         "signature",
         "step_id",
         "strides",
@@ -47,22 +50,61 @@ class Repeat:
 
     def __init__(
         self,
-        leaves: StepLeaves,
-        state: Mapping[str, Any],
-        scalar_names: tuple[str, ...],
+        treedef: Any,
+        params: list[Tensor],
+        buffers: Mapping[str, list[Tensor]],
+        step: Tensor,
+        scalars: Mapping[str, Tensor],
         kernel: str,
         hyper: dict[str, Any],
+        *,
+        donated: bool,
     ) -> None:
-        self.treedef = leaves.treedef
-        self.param_ids = [id(leaf) for leaf in leaves.params]
-        self.buffer_ids = {name: [id(leaf) for leaf in b] for name, b in leaves.buffers.items()}
-        self.step_id = id(state["step"])
-        self.scalar_ids = [id(state[name]) for name in scalar_names]
-        self.keys = set(state)
-        self.signature = _signature(leaves.params)
+        """`params`, `buffers` (name -> leaves), `step` and `scalars` (name -> 0-dim tensor)
+        are what the step returned (its inputs, written in place, when `donated`), the leaves
+        in the order of `treedef`'s."""
+        self.treedef = treedef
+        self.param_ids = [id(leaf) for leaf in params]
+        self.buffer_ids = {name: [id(leaf) for leaf in b] for name, b in buffers.items()}
+        self.step_id = id(step)
+        self.scalar_names = tuple(scalars)
+        self.scalar_ids = [id(scalar) for scalar in scalars.values()]
+        self.keys = {"step", *scalars, *buffers}
+        self.signature = _signature(params)
         self.strides = [signature[2] for signature in self.signature]
-        self.grad_signature = [(leaf.shape, leaf.dtype) for leaf in leaves.params]
-        self.kernel, self.hyper = kernel, hyper
+        self.grad_signature = [(leaf.shape, leaf.dtype) for leaf in params]
+        self.kernel, self.hyper, self.donated = kernel, hyper, donated
+
+    def renewed(
+        self,
+        params: list[Tensor],
+        buffers: Mapping[str, list[Tensor]],
+        step: Tensor,
+        scalars: Mapping[str, Tensor],
+    ) -> Repeat | None:
+        """This analysis for the new trees that a pure step made from the trees it was for;
+        None if two of them are one tensor. The new trees are expected to keep the old ones'
+        layouts (a step that changed them fails the next call's checks: the full path then)."""
+        if not distinct(params, buffers):
+            return None
+        renewed = Repeat.__new__(Repeat)
+        for name in Repeat.__slots__:
+            setattr(renewed, name, getattr(self, name))
+        renewed.param_ids = [id(leaf) for leaf in params]
+        renewed.buffer_ids = {name: [id(leaf) for leaf in b] for name, b in buffers.items()}
+        renewed.step_id = id(step)
+        renewed.scalar_ids = [id(scalars[name]) for name in self.scalar_names]
+        return renewed
+
+
+def distinct(params: list[Tensor], buffers: Mapping[str, list[Tensor]]) -> bool:
+    """Whether no tensor stands twice among `params` and `buffers` (a tie the next step must
+    see through the full path)."""
+    count = len(params) + sum(len(leaves) for leaves in buffers.values())
+    ids = {id(leaf) for leaf in params}
+    for leaves in buffers.values():
+        ids.update(map(id, leaves))
+    return len(ids) == count
 
 
 def in_place(run: Run, params: list[Any], buffers: Mapping[str, list[Any]]) -> bool:
@@ -75,6 +117,7 @@ def in_place(run: Run, params: list[Any], buffers: Mapping[str, list[Any]]) -> b
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_shape_and_dtype = operator.attrgetter("shape", "dtype")
 
 
 def _signature(tensors: list[Tensor]) -> list[tuple[Any, ...]]:
@@ -84,8 +127,8 @@ def _signature(tensors: list[Tensor]) -> list[tuple[Any, ...]]:
 def again(
     repeat: Repeat, params: Any, grads: Any, state: Any, scalar_names: tuple[str, ...]
 ) -> Run | None:
-    """The next step's `Run`, built from `repeat`, when the trees are those the last step wrote
-    and nothing else changed; None otherwise (take the full path)."""
+    """The next step's `Run`, built from `repeat`, when the trees are those the last step
+    returned and nothing else changed; None otherwise (take the full path)."""
     if not isinstance(state, Mapping) or state.keys() != repeat.keys:
         return None
     step = state["step"]
@@ -108,11 +151,19 @@ def again(
         if [id(leaf) for leaf in buffers[name]] != ids:
             return None
     try:
-        if [(g.shape, g.dtype) for g in grad_leaves] != repeat.grad_signature:
+        # A remembered id now held by another object, or a tensor reshaped in place
+        # (``.data = ...``), shows here.
+        expected = repeat.grad_signature
+        if list(map(_shape_and_dtype, grad_leaves)) != expected:
+            return None
+        for leaves in buffers.values():
+            if list(map(_shape_and_dtype, leaves)) != expected:
+                return None
+        if _signature(params_leaves) != repeat.signature:
             return None
     except AttributeError:  # a None gradient (a frozen leaf), or not a tensor
         return None
-    if _signature(params_leaves) != repeat.signature or functorch_active():
+    if functorch_active():
         return None
     if torch.is_grad_enabled():
         tensors = [*params_leaves, *grad_leaves, step]
@@ -123,7 +174,7 @@ def again(
     if torch.compiler.is_compiling():
         return None
     count = step.item()
-    new_step = step.add_(one())
+    new_step = step.add_(one()) if repeat.donated else step + one()
     return Run(
         repeat.kernel,
         LeafOps(foreach=True, multi_tensor=repeat.kernel == FOREACH),
@@ -133,7 +184,7 @@ def again(
         count + 1,
         repeat.hyper,
         {name: state[name] for name in scalar_names},
-        True,
+        repeat.donated,
         new_step,
         repeat.strides,
     )
