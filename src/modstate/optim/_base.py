@@ -19,7 +19,7 @@ from modstate._core.types import Tree
 from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
 from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
 from modstate.optim._lists import LeafOps, Scalar
-from modstate.optim._repeat import Repeat, again, distinct, in_place
+from modstate.optim._repeat import Repeat, again, in_place
 from modstate.optim._run import Run, one
 from modstate.optim._tree import (
     StepLeaves,
@@ -257,15 +257,13 @@ class ElementwiseOptimizer:
         that wrote every param and buffer in place, or a pure one whose outputs are distinct
         tensors; else None. `run` holds every leaf (a simple tree) in `treedef`'s order, and
         `inputs` the params and buffers (name -> leaves) it was given."""
-        if run.donated:
-            if not in_place(run, *inputs):
-                return None
-        elif not distinct(run.p, run.buffers):
+        if run.donated and not in_place(run, *inputs):
             return None
         scalars = {name: new_scalars[name] for name in self.scalar_names if name in new_scalars}
-        return Repeat(
+        found = Repeat(
             treedef, run.p, run.buffers, run.step, scalars, kernel, hyper, donated=run.donated
         )
+        return found if found.distinct else None
 
     def _constant_hyperparameters(self) -> dict[str, Any] | None:
         """The hyperparameters as a dict, when they are all numbers (no schedule, no tensor):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -33,16 +34,16 @@ class Repeat:
     buffers it wrote in place (`donated`), or the new ones it made (a pure step)."""
 
     __slots__ = (
-        "buffer_ids",
+        "buffer_names",
         "donated",
-        "grad_signature",
         "hyper",
+        "ids",
         "kernel",
         "keys",
-        "param_ids",
+        "on_cpu",
         "scalar_ids",
         "scalar_names",
-        "signature",
+        "shapes",
         "step_id",
         "strides",
         "treedef",
@@ -64,16 +65,27 @@ class Repeat:
         are what the step returned (its inputs, written in place, when `donated`), the leaves
         in the order of `treedef`'s."""
         self.treedef = treedef
-        self.param_ids = [id(leaf) for leaf in params]
-        self.buffer_ids = {name: [id(leaf) for leaf in b] for name, b in buffers.items()}
-        self.step_id = id(step)
+        self.buffer_names = tuple(buffers)
         self.scalar_names = tuple(scalars)
-        self.scalar_ids = [id(scalar) for scalar in scalars.values()]
         self.keys = {"step", *scalars, *buffers}
-        self.signature = _signature(params)
-        self.strides = [signature[2] for signature in self.signature]
-        self.grad_signature = [(leaf.shape, leaf.dtype) for leaf in params]
+        self._hold(params, buffers, step, scalars)
+        # What the gradients, params and buffers (in that order) must be: the params' shapes
+        # and dtypes; the params' layouts and devices.
+        self.shapes = list(map(_shape_and_dtype, params)) * (2 + len(buffers))
+        self.strides = list(map(_stride, params))
+        self.on_cpu = list(map(_is_cpu, params))
         self.kernel, self.hyper, self.donated = kernel, hyper, donated
+
+    def _hold(
+        self,
+        params: list[Tensor],
+        buffers: Mapping[str, list[Tensor]],
+        step: Tensor,
+        scalars: Mapping[str, Tensor],
+    ) -> None:
+        self.ids = list(map(id, chain(params, *buffers.values())))
+        self.step_id = id(step)
+        self.scalar_ids = [id(scalars[name]) for name in self.scalar_names]
 
     def renewed(
         self,
@@ -85,26 +97,17 @@ class Repeat:
         """This analysis for the new trees that a pure step made from the trees it was for;
         None if two of them are one tensor. The new trees are expected to keep the old ones'
         layouts (a step that changed them fails the next call's checks: the full path then)."""
-        if not distinct(params, buffers):
-            return None
         renewed = Repeat.__new__(Repeat)
         for name in Repeat.__slots__:
             setattr(renewed, name, getattr(self, name))
-        renewed.param_ids = [id(leaf) for leaf in params]
-        renewed.buffer_ids = {name: [id(leaf) for leaf in b] for name, b in buffers.items()}
-        renewed.step_id = id(step)
-        renewed.scalar_ids = [id(scalars[name]) for name in self.scalar_names]
-        return renewed
+        renewed._hold(params, buffers, step, scalars)
+        return renewed if renewed.distinct else None
 
-
-def distinct(params: list[Tensor], buffers: Mapping[str, list[Tensor]]) -> bool:
-    """Whether no tensor stands twice among `params` and `buffers` (a tie the next step must
-    see through the full path)."""
-    count = len(params) + sum(len(leaves) for leaves in buffers.values())
-    ids = {id(leaf) for leaf in params}
-    for leaves in buffers.values():
-        ids.update(map(id, leaves))
-    return len(ids) == count
+    @property
+    def distinct(self) -> bool:
+        """Whether no tensor stands twice among the params and buffers (a tie, which the next
+        step must see through the full path)."""
+        return len(set(self.ids)) == len(self.ids)
 
 
 def in_place(run: Run, params: list[Any], buffers: Mapping[str, list[Any]]) -> bool:
@@ -118,10 +121,8 @@ def in_place(run: Run, params: list[Any], buffers: Mapping[str, list[Any]]) -> b
 
 _requires_grad = operator.attrgetter("requires_grad")
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
-
-
-def _signature(tensors: list[Tensor]) -> list[tuple[Any, ...]]:
-    return [(t.shape, t.dtype, t.stride(), t.is_cpu) for t in tensors]
+_stride = operator.methodcaller("stride")
+_is_cpu = operator.attrgetter("is_cpu")
 
 
 def again(
@@ -139,38 +140,31 @@ def again(
         # Up to the remembered structure: a tree shaped otherwise fails here, or puts a
         # subtree or None where a tensor stood, whose id differs from the tensor's.
         params_leaves: list[Any] = treedef.flatten_up_to(params)
-        if [id(leaf) for leaf in params_leaves] != repeat.param_ids:
-            return None
-        grad_leaves: list[Any] = treedef.flatten_up_to(grads)
         buffers: dict[str, list[Any]] = {
-            name: treedef.flatten_up_to(state[name]) for name in repeat.buffer_ids
+            name: treedef.flatten_up_to(state[name]) for name in repeat.buffer_names
         }
+        grad_leaves: list[Any] = treedef.flatten_up_to(grads)
     except (ValueError, TypeError):
         return None
-    for name, ids in repeat.buffer_ids.items():
-        if [id(leaf) for leaf in buffers[name]] != ids:
-            return None
+    held = list(chain(params_leaves, *buffers.values()))
+    if list(map(id, held)) != repeat.ids:
+        return None
+    tensors = grad_leaves + held
     try:
         # A remembered id now held by another object, or a tensor reshaped in place
         # (``.data = ...``), shows here.
-        expected = repeat.grad_signature
-        if list(map(_shape_and_dtype, grad_leaves)) != expected:
+        if list(map(_shape_and_dtype, tensors)) != repeat.shapes:
             return None
-        for leaves in buffers.values():
-            if list(map(_shape_and_dtype, leaves)) != expected:
-                return None
-        if _signature(params_leaves) != repeat.signature:
+        if list(map(_stride, params_leaves)) != repeat.strides:
+            return None
+        if list(map(_is_cpu, params_leaves)) != repeat.on_cpu:
             return None
     except AttributeError:  # a None gradient (a frozen leaf), or not a tensor
         return None
     if functorch_active():
         return None
-    if torch.is_grad_enabled():
-        tensors = [*params_leaves, *grad_leaves, step]
-        for leaves in buffers.values():
-            tensors.extend(leaves)
-        if any(map(_requires_grad, tensors)):
-            return None
+    if torch.is_grad_enabled() and (step.requires_grad or any(map(_requires_grad, tensors))):
+        return None
     if torch.compiler.is_compiling():
         return None
     count = step.item()
