@@ -133,6 +133,25 @@ def test_trees_that_are_not_the_last_outputs_take_the_full_path(donate):
         opt.step(params, grads, state, donate=donate)
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_buffer_laid_out_anew_in_place_is_not_taken_for_the_one_remembered(donate):
+    """A fused kernel walks a param and its buffers in step; a buffer transposed in place (same
+    shape, other strides) takes the full path, which lays it out as its param."""
+    opt = optim.sgd(lr=0.1, momentum=0.9, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 4, generator=generator)}
+    grads = {"w": torch.randn(4, 4, generator=generator)}
+    state = opt.init(params)
+    params, state = opt.step(params, grads, state, donate=donate)
+    buffer = state["momentum_buffer"]["w"]
+    buffer.data = buffer.data.t().contiguous().t()  # the same values, column-major
+    want, _ = dataclasses.replace(opt).step(
+        ms.tree.clone(params), grads, {**state, "momentum_buffer": {"w": buffer.contiguous()}}
+    )
+    got, _ = opt.step(params, grads, state, donate=donate)
+    assert torch.equal(got["w"], want["w"])
+
+
 def test_a_frozen_leaf_or_a_leaf_that_requires_grad_takes_the_full_path():
     opt = optim.adam(lr=0.1)
     params, grads = make()

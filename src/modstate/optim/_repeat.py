@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from modstate._core.torch_facts import functorch_active
-from modstate.optim._kernels import FOREACH
+from modstate.optim._kernels import FOREACH, FUSED
 from modstate.optim._lists import LeafOps
 from modstate.optim._run import Run, one
 
@@ -40,6 +40,7 @@ class Repeat:
         "ids",
         "kernel",
         "keys",
+        "layouts",
         "on_cpu",
         "scalar_ids",
         "scalar_names",
@@ -70,9 +71,10 @@ class Repeat:
         self.keys = {"step", *scalars, *buffers}
         self._hold(params, buffers, step, scalars)
         # What the gradients, params and buffers (in that order) must be: the params' shapes
-        # and dtypes; the params' layouts and devices.
+        # and dtypes; the params' layouts (the buffers' too, for a fused kernel) and devices.
         self.shapes = list(map(_shape_and_dtype, params)) * (2 + len(buffers))
         self.strides = list(map(_stride, params))
+        self.layouts = self.strides * (1 + len(buffers) if kernel == FUSED else 1)
         self.on_cpu = list(map(_is_cpu, params))
         self.kernel, self.hyper, self.donated = kernel, hyper, donated
 
@@ -155,7 +157,9 @@ def again(
         # (``.data = ...``), shows here.
         if list(map(_shape_and_dtype, tensors)) != repeat.shapes:
             return None
-        if list(map(_stride, params_leaves)) != repeat.strides:
+        # The fused kernels walk a param and its buffers in step: their layouts must agree.
+        laid_out = held if repeat.kernel == FUSED else params_leaves
+        if list(map(_stride, laid_out)) != repeat.layouts:
             return None
         if list(map(_is_cpu, params_leaves)) != repeat.on_cpu:
             return None
