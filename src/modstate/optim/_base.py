@@ -19,7 +19,7 @@ from modstate._core.types import Tree
 from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
 from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
 from modstate.optim._lists import LeafOps, Scalar
-from modstate.optim._repeat import Repeat, again, in_place
+from modstate.optim._repeat import Repeat, again
 from modstate.optim._run import Run, one
 from modstate.optim._tree import (
     StepLeaves,
@@ -231,10 +231,9 @@ class ElementwiseOptimizer:
         self, repeat: Repeat, run: Run, names: tuple[str, ...]
     ) -> tuple[Tree, dict[str, Any]]:
         """The rest of a step that `_repeat` recognised as the next of a loop."""
-        params, buffers = list(run.p), {name: list(run.buffers[name]) for name in names}
         new_scalars = self._update_run(run)
         if repeat.donated:
-            kept = repeat if in_place(run, params, buffers) else None
+            kept = repeat if repeat.holds(run.p, run.buffers) else None
         else:
             kept = repeat.renewed(run.p, run.buffers, run.step, new_scalars)
         object.__setattr__(self, "_repeat", kept)
@@ -257,12 +256,12 @@ class ElementwiseOptimizer:
         that wrote every param and buffer in place, or a pure one whose outputs are distinct
         tensors; else None. `run` holds every leaf (a simple tree) in `treedef`'s order, and
         `inputs` the params and buffers (name -> leaves) it was given."""
-        if run.donated and not in_place(run, *inputs):
-            return None
         scalars = {name: new_scalars[name] for name in self.scalar_names if name in new_scalars}
         found = Repeat(
             treedef, run.p, run.buffers, run.step, scalars, kernel, hyper, donated=run.donated
         )
+        if run.donated and not found.holds(*inputs):
+            return None
         return found if found.distinct else None
 
     def _constant_hyperparameters(self) -> dict[str, Any] | None:

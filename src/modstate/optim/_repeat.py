@@ -42,6 +42,7 @@ class Repeat:
         "keys",
         "layouts",
         "on_cpu",
+        "ops",
         "scalar_ids",
         "scalar_names",
         "shapes",
@@ -77,6 +78,7 @@ class Repeat:
         self.layouts = self.strides * (1 + len(buffers) if kernel == FUSED else 1)
         self.on_cpu = list(map(_is_cpu, params))
         self.kernel, self.hyper, self.donated = kernel, hyper, donated
+        self.ops = LeafOps(foreach=True, multi_tensor=kernel == FOREACH)
 
     def _hold(
         self,
@@ -105,20 +107,16 @@ class Repeat:
         renewed._hold(params, buffers, step, scalars)
         return renewed if renewed.distinct else None
 
+    def holds(self, params: list[Tensor], buffers: Mapping[str, list[Tensor]]) -> bool:
+        """Whether `params` and `buffers` are the very tensors this analysis is for (a donated
+        step that wrote everything in place returns its inputs)."""
+        return list(map(id, chain(params, *buffers.values()))) == self.ids
+
     @property
     def distinct(self) -> bool:
         """Whether no tensor stands twice among the params and buffers (a tie, which the next
         step must see through the full path)."""
         return len(set(self.ids)) == len(self.ids)
-
-
-def in_place(run: Run, params: list[Any], buffers: Mapping[str, list[Any]]) -> bool:
-    """Whether the step wrote every param and buffer in place: its outputs are the very
-    `params` and `buffers` (name -> leaves) it was given."""
-    return all(a is b for a, b in zip(run.p, params, strict=True)) and all(
-        all(a is b for a, b in zip(run.buffers[name], before, strict=True))
-        for name, before in buffers.items()
-    )
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -132,7 +130,7 @@ def again(
 ) -> Run | None:
     """The next step's `Run`, built from `repeat`, when the trees are those the last step
     returned and nothing else changed; None otherwise (take the full path)."""
-    if not isinstance(state, Mapping) or state.keys() != repeat.keys:
+    if not (type(state) is dict or isinstance(state, Mapping)) or state.keys() != repeat.keys:
         return None
     step = state["step"]
     if id(step) != repeat.step_id or [id(state[n]) for n in scalar_names] != repeat.scalar_ids:
@@ -175,7 +173,7 @@ def again(
     new_step = step.add_(one()) if repeat.donated else step + one()
     return Run(
         repeat.kernel,
-        LeafOps(foreach=True, multi_tensor=repeat.kernel == FOREACH),
+        repeat.ops,
         params_leaves,
         grad_leaves,
         buffers,
