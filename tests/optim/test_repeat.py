@@ -4,8 +4,10 @@ and its numbers."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import pickle
 import time
 import weakref
 
@@ -209,3 +211,16 @@ def test_threads_stepping_with_one_optimizer_each_get_their_own_numbers(donate, 
     reused.clear()
     assert run_together(work) == [0, 0, 0, 0]
     assert True in reused and False in reused  # steps were interleaved: some lost the reuse
+
+
+@pytest.mark.parametrize(
+    "copier", [copy.copy, copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))]
+)
+def test_a_copied_or_pickled_optimizer_leaves_the_analysis_behind(copier):
+    opt = optim.adam(lr=0.1, fused=True)
+    params, grads = make()
+    params, state = opt.step(params, grads, opt.init(params))
+    assert opt.__dict__.get("_repeat") is not None
+    copied = copier(opt)
+    assert copied == opt and "_repeat" not in copied.__dict__
+    assert same(copied.step(params, grads, state)[0], opt.step(params, grads, state)[0])

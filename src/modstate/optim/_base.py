@@ -79,6 +79,11 @@ class ElementwiseOptimizer:
     def __post_init__(self) -> None:
         check_kernels(self.name, self.foreach, self.fused, has_fused=self.has_fused)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields only: a pickled or copied optimizer leaves its caches behind (what the
+        last step found, `_repeat`, concerns that step's trees, and holds their ids)."""
+        return {key: value for key, value in self.__dict__.items() if key not in _CACHES}
+
     @property
     def buffer_names(self) -> tuple[str, ...]:
         """Names of the per-leaf state trees."""
@@ -349,6 +354,9 @@ def _chunk_bounds(leaves: list[Tensor]) -> list[tuple[int, int]]:
 
 
 _KERNEL_FLAGS = ("foreach", "fused")
+
+# Attributes an optimizer sets on itself as caches (`object.__setattr__`), not fields.
+_CACHES = ("_repeat", "_constant")
 
 
 _HYPERPARAMETER_NAMES: dict[type, tuple[str, ...]] = {}
