@@ -19,7 +19,7 @@ from modstate._core.types import Tree
 from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
 from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
 from modstate.optim._lists import LeafOps, Scalar
-from modstate.optim._repeat import Repeat, again
+from modstate.optim._repeat import Repeat, Returned, again
 from modstate.optim._run import Run, one
 from modstate.optim._tree import (
     StepLeaves,
@@ -240,7 +240,7 @@ class ElementwiseOptimizer:
         if repeat.donated:
             kept = repeat if repeat.holds(run.p, run.buffers) else None
         else:
-            kept = repeat.renewed(run.p, run.buffers, run.step, new_scalars)
+            kept = repeat.renewed(Returned(run.p, run.buffers, run.step, new_scalars))
         object.__setattr__(self, "_repeat", kept)
         treedef = repeat.treedef
         new_state: dict[str, Any] = {"step": run.step, **new_scalars}
@@ -262,9 +262,8 @@ class ElementwiseOptimizer:
         tensors; else None. `run` holds every leaf (a simple tree) in `treedef`'s order, and
         `inputs` the params and buffers (name -> leaves) it was given."""
         scalars = {name: new_scalars[name] for name in self.scalar_names if name in new_scalars}
-        found = Repeat(
-            treedef, run.p, run.buffers, run.step, scalars, kernel, hyper, donated=run.donated
-        )
+        returned = Returned(run.p, run.buffers, run.step, scalars)
+        found = Repeat(treedef, returned, kernel, hyper, donated=run.donated)
         if run.donated and not found.holds(*inputs):
             return None
         return found if found.distinct else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +27,16 @@ from modstate._core.torch_facts import functorch_active
 from modstate.optim._kernels import FOREACH, FUSED
 from modstate.optim._lists import LeafOps
 from modstate.optim._run import Run, one
+
+
+class Returned(NamedTuple):
+    """What a step returned: the params and each buffer's leaves (name -> leaves), in the order
+    of the trees' leaves, the step counter, and the other 0-dim state (name -> tensor)."""
+
+    params: list[Tensor]
+    buffers: Mapping[str, list[Tensor]]
+    step: Tensor
+    scalars: Mapping[str, Tensor]
 
 
 class Repeat:
@@ -52,25 +62,16 @@ class Repeat:
     )
 
     def __init__(
-        self,
-        treedef: Any,
-        params: list[Tensor],
-        buffers: Mapping[str, list[Tensor]],
-        step: Tensor,
-        scalars: Mapping[str, Tensor],
-        kernel: str,
-        hyper: dict[str, Any],
-        *,
-        donated: bool,
+        self, treedef: Any, returned: Returned, kernel: str, hyper: dict[str, Any], *, donated: bool
     ) -> None:
-        """`params`, `buffers` (name -> leaves), `step` and `scalars` (name -> 0-dim tensor)
-        are what the step returned (its inputs, written in place, when `donated`), the leaves
-        in the order of `treedef`'s."""
+        """`returned` is what the step returned (its inputs, written in place, when `donated`),
+        the leaves in the order of `treedef`'s."""
+        params, buffers = returned.params, returned.buffers
         self.treedef = treedef
         self.buffer_names = tuple(buffers)
-        self.scalar_names = tuple(scalars)
-        self.keys = {"step", *scalars, *buffers}
-        self._hold(params, buffers, step, scalars)
+        self.scalar_names = tuple(returned.scalars)
+        self.keys = {"step", *returned.scalars, *buffers}
+        self._hold(returned)
         # What the gradients, params and buffers (in that order) must be: the params' shapes
         # and dtypes; the params' layouts (the buffers' too, for a fused kernel) and devices.
         self.shapes = list(map(_shape_and_dtype, params)) * (2 + len(buffers))
@@ -80,31 +81,19 @@ class Repeat:
         self.kernel, self.hyper, self.donated = kernel, hyper, donated
         self.ops = LeafOps(foreach=True, multi_tensor=kernel == FOREACH)
 
-    def _hold(
-        self,
-        params: list[Tensor],
-        buffers: Mapping[str, list[Tensor]],
-        step: Tensor,
-        scalars: Mapping[str, Tensor],
-    ) -> None:
-        self.ids = list(map(id, chain(params, *buffers.values())))
-        self.step_id = id(step)
-        self.scalar_ids = [id(scalars[name]) for name in self.scalar_names]
+    def _hold(self, returned: Returned) -> None:
+        self.ids = list(map(id, chain(returned.params, *returned.buffers.values())))
+        self.step_id = id(returned.step)
+        self.scalar_ids = [id(returned.scalars[name]) for name in self.scalar_names]
 
-    def renewed(
-        self,
-        params: list[Tensor],
-        buffers: Mapping[str, list[Tensor]],
-        step: Tensor,
-        scalars: Mapping[str, Tensor],
-    ) -> Repeat | None:
+    def renewed(self, returned: Returned) -> Repeat | None:
         """This analysis for the new trees that a pure step made from the trees it was for;
         None if two of them are one tensor. The new trees are expected to keep the old ones'
         layouts (a step that changed them fails the next call's checks: the full path then)."""
         renewed = Repeat.__new__(Repeat)
         for name in Repeat.__slots__:
             setattr(renewed, name, getattr(self, name))
-        renewed._hold(params, buffers, step, scalars)
+        renewed._hold(returned)
         return renewed if renewed.distinct else None
 
     def holds(self, params: list[Tensor], buffers: Mapping[str, list[Tensor]]) -> bool:
