@@ -165,7 +165,7 @@ class ElementwiseOptimizer:
         names = self.buffer_names
         repeat = self.__dict__.get("_repeat")
         if repeat is not None and repeat.donated == donate:
-            run = again(repeat, params, grads, state, self.scalar_names)
+            run = again(repeat, params, grads, state)
             if run is not None:
                 return self._finish_again(repeat, run, names)
         step = self._check_state(state, names)
@@ -212,7 +212,6 @@ class ElementwiseOptimizer:
             donate,
             new_step,
         )
-        inputs = (leaves.params, leaves.buffers)
         new_scalars = self._update_run(run)
         new_state = {"step": new_step, **new_scalars}
         new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
@@ -220,7 +219,7 @@ class ElementwiseOptimizer:
         # Remember what this step found, for the next step of the loop (`_repeat`).
         kept = None
         if run.ops.foreach and leaves.simple and self._constant_hyperparameters():
-            kept = self._remembered(leaves.treedef, run, inputs, new_scalars, kernel, hyper)
+            kept = self._remembered(leaves, run, new_scalars, kernel, hyper)
         object.__setattr__(self, "_repeat", kept)  # a cache, not a field
         return new_params, new_state
 
@@ -248,23 +247,20 @@ class ElementwiseOptimizer:
         new_params: Any = treedef.unflatten(run.p)
         return new_params, new_state
 
+    @staticmethod
     def _remembered(
-        self,
-        treedef: Any,
+        leaves: StepLeaves,
         run: Run,
-        inputs: tuple[list[Tensor], dict[str, list[Tensor]]],
         new_scalars: dict[str, Tensor],
         kernel: str,
         hyper: dict[str, Any],
     ) -> Repeat | None:
-        """What the next step of the loop may reuse of this finished eager step: a donated step
-        that wrote every param and buffer in place, or a pure one whose outputs are distinct
-        tensors; else None. `run` holds every leaf (a simple tree) in `treedef`'s order, and
-        `inputs` the params and buffers (name -> leaves) it was given."""
-        scalars = {name: new_scalars[name] for name in self.scalar_names if name in new_scalars}
-        returned = Returned(run.p, run.buffers, run.step, scalars)
-        found = Repeat(treedef, returned, kernel, hyper, donated=run.donated)
-        if run.donated and not found.holds(*inputs):
+        """What the next step of the loop may reuse of this finished eager step on `leaves` (a
+        simple tree: `run` holds every leaf, in its order): a donated step that wrote every
+        param and buffer in place, or a pure one whose outputs are distinct tensors; else None."""
+        returned = Returned(run.p, run.buffers, run.step, new_scalars)
+        found = Repeat(leaves.treedef, returned, kernel, hyper, donated=run.donated)
+        if run.donated and not found.holds(leaves.params, leaves.buffers):
             return None
         return found if found.distinct else None
 

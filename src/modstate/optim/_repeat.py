@@ -114,14 +114,13 @@ _stride = operator.methodcaller("stride")
 _is_cpu = operator.attrgetter("is_cpu")
 
 
-def again(
-    repeat: Repeat, params: Any, grads: Any, state: Any, scalar_names: tuple[str, ...]
-) -> Run | None:
+def again(repeat: Repeat, params: Any, grads: Any, state: Any) -> Run | None:
     """The next step's `Run`, built from `repeat`, when the trees are those the last step
     returned and nothing else changed; None otherwise (take the full path)."""
     if not (type(state) is dict or isinstance(state, Mapping)) or state.keys() != repeat.keys:
         return None
     step = state["step"]
+    scalar_names = repeat.scalar_names
     if id(step) != repeat.step_id or [id(state[n]) for n in scalar_names] != repeat.scalar_ids:
         return None
     treedef = repeat.treedef
