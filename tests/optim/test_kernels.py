@@ -79,7 +79,8 @@ def test_a_pure_fused_step_writes_no_input(name):
         assert torch.equal(a, b)
 
 
-def test_leaves_of_several_dtypes_are_stepped_group_by_group_as_torch_groups_them():
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_leaves_of_several_dtypes_are_stepped_group_by_group_as_torch_groups_them(donate):
     generator = torch.Generator().manual_seed(0)
     params = {
         "a": torch.randn(30, 30, generator=generator),
@@ -97,7 +98,7 @@ def test_leaves_of_several_dtypes_are_stepped_group_by_group_as_torch_groups_the
         for param, grad in zip(torch_params, grads.values(), strict=True):
             param.grad = grad.clone()
         torch_opt.step()
-        params, state = opt.step(params, grads, state)
+        params, state = opt.step(params, grads, state, donate=donate)
     for ours, theirs in zip(params.values(), torch_params, strict=True):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs.detach())
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from modstate._core.torch_facts import functorch_active
 from modstate.optim._kernels import FOREACH, FUSED
 from modstate.optim._lists import LeafOps
-from modstate.optim._run import Run, one
+from modstate.optim._run import Run, device_groups, one
 
 
 class Returned(NamedTuple):
@@ -46,6 +46,7 @@ class Repeat:
     __slots__ = (
         "buffer_names",
         "donated",
+        "groups",
         "hyper",
         "ids",
         "kernel",
@@ -78,6 +79,9 @@ class Repeat:
         self.strides = list(map(_stride, params))
         self.layouts = self.strides * (1 + len(buffers) if kernel == FUSED else 1)
         self.on_cpu = list(map(_is_cpu, params))
+        # A fused kernel's calls: the leaves by device and dtype (`again` checks the dtypes and
+        # which leaves are on the CPU; the kernel rejects leaves on two accelerators).
+        self.groups = device_groups(params) if kernel == FUSED else None
         self.kernel, self.hyper, self.donated = kernel, hyper, donated
         self.ops = LeafOps(foreach=True, multi_tensor=kernel == FOREACH)
 
@@ -171,4 +175,5 @@ def again(repeat: Repeat, params: Any, grads: Any, state: Any) -> Run | None:
         repeat.donated,
         new_step,
         repeat.strides,
+        repeat.groups,
     )

@@ -41,6 +41,7 @@ class Run:
         "count",
         "donated",
         "g",
+        "groups",
         "hyper",
         "kernel",
         "layout",
@@ -67,6 +68,7 @@ class Run:
         donate: bool,
         step: Tensor,
         layout: list[tuple[int, ...]] | None = None,
+        groups: list[list[int]] | None = None,
     ) -> None:
         self.kernel = kernel
         self.ops = ops
@@ -80,6 +82,8 @@ class Run:
         self.step = step
         # The params' strides where the buffers are known to share them (a repeated step).
         self.layout = layout
+        # The leaves grouped by device and dtype (`device_groups`) where known (a repeated step).
+        self.groups = groups
         self.once: dict[str, Any] = {}  # what a step computes once, shared by its chunks
 
     def chunk(self, start: int, stop: int) -> Run:
@@ -153,13 +157,11 @@ class Run:
             params = [leaf.clone() for leaf in params]
             buffers = [[leaf.clone() for leaf in leaves] for leaves in buffers]
         grads = _aligned(params, grads, buffers, self.layout)
-        keys = [(p.get_device(), p.dtype) for p in params]  # get_device: -1 on the CPU
-        for key in dict.fromkeys(keys):
-            indices = [i for i, k in enumerate(keys) if k == key]
+        for indices in self.groups or device_groups(params):
             step = self.step  # the new step counter: a float32 CPU tensor unless told otherwise
-            if step.dtype != torch.float32 or key[0] != -1:
-                device = params[indices[0]].device
-                step = torch.full((), float(self.count), dtype=torch.float32, device=device)
+            first = params[indices[0]]
+            if step.dtype != torch.float32 or not first.is_cpu:
+                step = torch.full((), float(self.count), dtype=torch.float32, device=first.device)
             if len(indices) == len(params):
                 yield params, grads, buffers, [step] * len(indices)
             else:
@@ -172,6 +174,16 @@ class Run:
         self.p, self.own_p = params, True
         self.buffers.update(zip(names, buffers, strict=True))
         self.own_buffers = True
+
+
+def device_groups(params: Leaves) -> list[list[int]]:
+    """The indices of `params` grouped by device and dtype, as torch.optim groups leaves for
+    its fused kernels, groups in the order of their first leaf."""
+    keys = [(param.device, param.dtype) for param in params]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 def _aligned(
