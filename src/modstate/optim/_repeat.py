@@ -45,6 +45,7 @@ class Repeat:
 
     __slots__ = (
         "buffer_names",
+        "devices",
         "donated",
         "groups",
         "hyper",
@@ -52,7 +53,6 @@ class Repeat:
         "kernel",
         "keys",
         "layouts",
-        "on_cpu",
         "ops",
         "scalar_ids",
         "scalar_names",
@@ -78,9 +78,8 @@ class Repeat:
         self.shapes = list(map(_shape_and_dtype, params)) * (2 + len(buffers))
         self.strides = list(map(_stride, params))
         self.layouts = self.strides * (1 + len(buffers) if kernel == FUSED else 1)
-        self.on_cpu = list(map(_is_cpu, params))
-        # A fused kernel's calls: the leaves by device and dtype (`again` checks the dtypes and
-        # which leaves are on the CPU; the kernel rejects leaves on two accelerators).
+        self.devices = list(map(_device, params))
+        # A fused kernel's calls: the leaves by device and dtype (both checked by `again`).
         self.groups = device_groups(params) if kernel == FUSED else None
         self.kernel, self.hyper, self.donated = kernel, hyper, donated
         self.ops = LeafOps(foreach=True, multi_tensor=kernel == FOREACH)
@@ -115,7 +114,7 @@ class Repeat:
 _requires_grad = operator.attrgetter("requires_grad")
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 _stride = operator.methodcaller("stride")
-_is_cpu = operator.attrgetter("is_cpu")
+_device = operator.attrgetter("device")
 
 
 def again(repeat: Repeat, params: Any, grads: Any, state: Any) -> Run | None:
@@ -151,7 +150,7 @@ def again(repeat: Repeat, params: Any, grads: Any, state: Any) -> Run | None:
         laid_out = held if repeat.kernel == FUSED else params_leaves
         if list(map(_stride, laid_out)) != repeat.layouts:
             return None
-        if list(map(_is_cpu, params_leaves)) != repeat.on_cpu:
+        if list(map(_device, params_leaves)) != repeat.devices:
             return None
     except AttributeError:  # a None gradient (a frozen leaf), or not a tensor
         return None
