@@ -210,7 +210,8 @@ class Anatomy:
     @property
     def holding(self) -> list[Any]:
         """What each slot holds, in plan order, as the calling thread sees it: the module's own
-        tensors, or inside a stateless call in this thread, that call's."""
+        tensors, or inside a stateless call in this thread, that call's. Outside a call this is
+        the anatomy's own list (no copy per call): read it, copy it before changing it."""
         if calls_here():
             return list(map(_getitem, self.tables, self.names))
         return self.held

@@ -179,10 +179,9 @@ class Run:
 def device_groups(params: Leaves) -> list[list[int]]:
     """The indices of `params` grouped by device and dtype, as torch.optim groups leaves for
     its fused kernels, groups in the order of their first leaf."""
-    keys = [(param.device, param.dtype) for param in params]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, key in enumerate(keys):
-        groups.setdefault(key, []).append(i)
+    for i, param in enumerate(params):
+        groups.setdefault((param.device, param.dtype), []).append(i)
     return list(groups.values())
 
 
