@@ -16,6 +16,10 @@ Two groups per optimizer:
   same trees while the last call's are still held, as a pure loop must (its inputs live until
   its outputs replace them); here the allocator cannot hand freed memory back, and the first
   touch costs page faults (1.5-2x the plain floor, measured on the 2-core CPU machine).
+  Where torch has a fused kernel, a **reference** row too: the pure fused step written by hand
+  (copy the params and buffers, count the step, run torch's in-place fused kernel on the
+  copies; checked bit for bit against modstate's pure fused step), so the method's own cost
+  shows apart from modstate's bookkeeping.
 
 Targets (issue 18): best modstate donated <= 1.05 x best torch.optim; pure <= 1.2 x (best
 torch.optim + allocation floor). At the end the run prints both ratios per optimizer as a
@@ -149,6 +153,67 @@ def allocation_floor(case: str, *, inputs_alive: bool = False) -> Callable[[], o
     return allocate_while_held if inputs_alive else allocate
 
 
+# torch's fused kernels, called as modstate's fused steps call them, with CASES's
+# hyperparameters (the defaults of both libraries elsewhere): (params, grads, buffers in the
+# optimizer's `buffer_names` order, one step counter per leaf) -> None, in place.
+FUSED_KERNELS: dict[str, Callable[..., None]] = {
+    "sgd-momentum": lambda p, g, buffers, steps: torch._fused_sgd_(
+        p, g, buffers[0], weight_decay=0.0, momentum=0.9, lr=1e-3, dampening=0.0,
+        nesterov=False, maximize=False, is_first_step=False,
+    ),
+    "adam": lambda p, g, buffers, steps: torch._fused_adam_(
+        p, g, buffers[0], buffers[1], [], steps, lr=1e-3, beta1=0.9, beta2=0.999,
+        weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+    ),
+    "adamw": lambda p, g, buffers, steps: torch._fused_adamw_(
+        p, g, buffers[0], buffers[1], [], steps, lr=1e-3, beta1=0.9, beta2=0.999,
+        weight_decay=1e-2, eps=1e-8, amsgrad=False, maximize=False,
+    ),
+    "adagrad": lambda p, g, buffers, steps: torch._fused_adagrad_(
+        p, g, buffers[0], steps, lr=1e-2, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
+        maximize=False,
+    ),
+}  # fmt: skip
+BY_HAND = "reference: copy + torch's fused kernel, by hand"
+
+
+def by_hand_pure_step(case: str) -> tuple[Step, Read]:
+    """The pure fused step without modstate: copy every param and buffer, make the new step
+    counter, run torch's fused kernel in place on the copies. It starts where `modstate_step`
+    starts (modstate's own warm-up steps) and computes what modstate's pure fused step does."""
+    factory, _, kwargs, _, _ = CASES[case]
+    model = make_model()
+    params = ms.tree.clone(ms.extract(model, detach=True))
+    grads = ms.unflatten({name: p.grad for name, p in model.named_parameters()})
+    opt = factory(**kwargs, fused=True)
+    state = opt.init(params)
+    for _ in range(WARM_STEPS):
+        params, state = opt.step(params, grads, state)
+    names = opt.buffer_names
+    paths = list(ms.flatten(params))
+    grad_leaves = list(ms.flatten(grads).values())
+    kernel = FUSED_KERNELS[case]
+    carry: list[Any] = [
+        list(ms.flatten(params).values()),
+        [list(ms.flatten(state[name]).values()) for name in names],
+        state["step"],
+    ]
+
+    def step() -> None:
+        new_params = [leaf.clone() for leaf in carry[0]]
+        new_buffers = [[leaf.clone() for leaf in leaves] for leaves in carry[1]]
+        new_step = carry[2] + 1
+        kernel(new_params, grad_leaves, new_buffers, [new_step] * len(new_params))
+        carry[:] = [new_params, new_buffers, new_step]
+
+    def read() -> dict[str, Any]:
+        tree = lambda leaves: ms.unflatten(dict(zip(paths, leaves, strict=True)))  # noqa: E731
+        buffers = {name: tree(leaves) for name, leaves in zip(names, carry[1], strict=True)}
+        return {"params": tree(carry[0]), "state": {"step": carry[2], **buffers}}
+
+    return step, read
+
+
 def checked_steps(case: str, ours: str, *, donate: bool) -> dict[str, Step]:
     """modstate's step in each configuration (``ours`` named ``"modstate"``) and torch.optim's,
     checked to compute the same thing (`check_same_steps`)."""
@@ -181,8 +246,9 @@ def ratio_table(request):
         "",
         "| optimizer | torch foreach=True | torch foreach=False | torch fused=True "
         "| modstate donated (best) | donated / best torch | allocation floor | modstate pure "
-        "| pure / (best torch + floor) | floor, last trees alive | pure / (best torch + that) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pure / (best torch + floor) | floor, last trees alive | pure / (best torch + that) "
+        "| copy + fused kernel by hand, / (best torch + floor) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, row in ROWS.items():
         lines.append(
@@ -190,7 +256,8 @@ def ratio_table(request):
             f" | {row.get('torch fused=True', '–')} | {row.get('donated', '–')}"
             f" | {row.get('donated ratio', '–')} | {row.get('floor', '–')}"
             f" | {row.get('pure', '–')} | {row.get('pure ratio', '–')}"
-            f" | {row.get('held floor', '–')} | {row.get('held ratio', '–')} |"
+            f" | {row.get('held floor', '–')} | {row.get('held ratio', '–')}"
+            f" | {row.get('by hand', '–')} |"
         )
     show(request, lines)
 
@@ -222,6 +289,15 @@ def test_step_pure(compare, case):
     floor_name = "allocation floor (empty_like + fill of the returned trees)"
     held_name = "allocation floor, the last trees alive (as in a pure loop)"
     impls = checked_steps(case, ours, donate=False)
+    if case in FUSED_KERNELS:
+        by_hand, ours_fused = (
+            by_hand_pure_step(case),
+            modstate_step(case, FUSED["fused=True"], donate=False),
+        )
+        for run, _ in (by_hand, ours_fused):
+            run()
+        assert_same_trees(ours_fused[1](), by_hand[1](), what=f"{case}: modstate pure vs by hand")
+        impls[BY_HAND] = by_hand[0]
     impls[floor_name] = allocation_floor(case)  # floors, not steps: nothing to check
     impls[held_name] = allocation_floor(case, inputs_alive=True)
     stats = compare(f"optim step: {case}, pure ({MODEL})", impls)
@@ -243,3 +319,9 @@ def test_step_pure(compare, case):
     held = stats[held_name]
     row["held floor"] = us(held["min"])
     row["held ratio"] = f"{pure_min / (torch_min + held['min']):.2f}x"
+    if BY_HAND in stats:
+        hand = stats[BY_HAND]
+        row["by hand"] = (
+            f"{us(hand['min'])}: {hand['min'] / (torch_min + floor['min']):.2f}x "
+            f"[{hand['median'] / (torch_median + floor['median']):.2f}x]"
+        )

@@ -22,7 +22,9 @@ the same kernels run, else within ``ATOL``/``RTOL``.
   autograd runs its batched kernels, + ``ms.optim.adam(fused=True)`` donated); and the
   ``torch.vmap(ms.grad(ms.apply))`` form on one member's module over stacked trees (one plain
   backward for every member, the ensemble's kernels inside; with ``torch.func.grad`` too).
-  Targets: <= 0.30 T.
+  Beside the latter, a reference: the ``ms.grad(apply(Ensemble))`` step plus one ``torch.vmap``
+  that computes nothing over trees of the same shapes, the least a step inside ``torch.vmap``
+  can cost. Targets: <= 0.30 T.
 - ``ensemble forward: compute-bound``: ``ms.Ensemble`` of 32 ``64→256→256→10`` on a batch of 128
   (no grad) against the hand-written ``baddbmm`` chain. Target <= 1.05x.
 
@@ -208,6 +210,28 @@ def functional_vmap_step(
     return step, lambda: {**flat(holder["params"]), **flat(holder["state"])}
 
 
+def vmap_passes_reference(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
+    """The ``ms.grad(apply(Ensemble))`` step, then one ``torch.vmap`` that computes nothing over
+    trees shaped as the ``vmap(grad(apply))`` form's (its stacked params and state in; a tree
+    like the params, one number per member and the state out): the least a step that runs
+    inside ``torch.vmap`` pays on top of the Ensemble's own, torch.vmap's passes over the
+    trees (its pytree walks and member views). The step is the Ensemble's, so it checks as one."""
+    params = ms.stack([ms.split(m, detach=True)[0] for m in models])
+    state = ms.stack([ms.split(m, detach=True)[1] for m in models])
+    step, read = functional_ensemble_step(models, x, y)
+
+    def nothing(p: dict, s: dict) -> tuple[dict, tuple[torch.Tensor, dict]]:
+        return p, (p["6"]["bias"][0], s)
+
+    passes = torch.vmap(nothing)
+
+    def run() -> None:
+        step()
+        passes(params, state)
+
+    return run, read
+
+
 def functional_ensemble_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     """``ms.grad`` of ``ms.apply`` on an ``ms.Ensemble``: its stacked tensors are its own
     parameters, so plain autograd runs its batched kernels for every member (no vmap, no
@@ -256,6 +280,12 @@ def _record(row: str, stats: dict[str, dict[str, float]] | None, reference: Call
     want_min, want_median = reference(stats, "min"), reference(stats, "median")
     ROWS[row] = {
         **{impl: us(entry["min"]) for impl, entry in stats.items()},
+        **{
+            f"{impl}: ratio": f"{entry['min'] / want_min:.2f}x "
+            f"[{entry['median'] / want_median:.2f}x]"
+            for impl, entry in stats.items()
+            if impl.startswith("reference")
+        },
         "ratio": f"{stats['modstate']['min'] / want_min:.2f}x "
         f"[{stats['modstate']['median'] / want_median:.2f}x]",
     }
@@ -296,6 +326,7 @@ def _relative_to_t(stats: dict[str, dict[str, float]], key: str) -> float:
 
 
 ENSEMBLE = "(8 x 64-128(BN)-128(BN)-10, batch 64)"
+VMAP_PASSES = "reference: ms.grad(apply(Ensemble)) step + torch.vmap's passes over the trees"
 
 
 def test_ensemble_training_step_functional(compare) -> None:
@@ -318,6 +349,7 @@ def test_ensemble_training_step_functional_vmap(compare) -> None:
         "modstate with torch.func.grad": functional_vmap_step(members(), x, y, grad),
         LOOP: loop_step(members(), x, y),
         TORCH_FUNC: torch_func_step(members(), x, y),
+        VMAP_PASSES: vmap_passes_reference(members(), x, y),
     }
     stats = compare(name, check_one_step(name, impls))
     _record(f"{name}: modstate / T", stats, _relative_to_t)

@@ -117,9 +117,10 @@ def _source_line(data: dict[str, Any]) -> str:
 
 
 # Rows of a table that are no peer: modstate's other configurations (its foreach path beside
-# its fused one) and references such as the allocation floor. The tables show them; the
-# headline, which says how modstate compares with what a user would run instead, does not.
-NOT_PEERS = ("modstate", "allocation floor", "baseline")
+# its fused one) and references such as the allocation floor or the same method written by hand
+# ("reference: ..."). The tables show them; the headline, which says how modstate compares with
+# what a user would run instead, does not.
+NOT_PEERS = ("modstate", "allocation floor", "baseline", "reference")
 
 
 def _headline(cases: list[dict[str, Any]]) -> str:
