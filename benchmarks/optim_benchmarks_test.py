@@ -101,14 +101,21 @@ def torch_step(case: str, flags: dict[str, bool]) -> tuple[Step, Read]:
     return opt.step, read
 
 
-def modstate_step(case: str, flags: dict[str, bool], *, donate: bool) -> tuple[Step, Read]:
-    """modstate's step, after ``WARM_STEPS`` steps from the same values; and a reader."""
+def start(case: str, flags: dict[str, bool]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """modstate's optimizer for `case` with `flags`, and the params, gradients and state its
+    steps start from (the same values in every implementation: `make_model`)."""
     factory, _, kwargs, _, _ = CASES[case]
     model = make_model()
     params = ms.tree.clone(ms.extract(model, detach=True))
     grads = ms.unflatten({name: p.grad for name, p in model.named_parameters()})
     opt = factory(**kwargs, **flags)
-    carry = [params, opt.init(params)]
+    return opt, params, grads, opt.init(params)
+
+
+def modstate_step(case: str, flags: dict[str, bool], *, donate: bool) -> tuple[Step, Read]:
+    """modstate's step, after ``WARM_STEPS`` steps from the same values; and a reader."""
+    opt, params, grads, state = start(case, flags)
+    carry = [params, state]
 
     def step() -> None:
         carry[0], carry[1] = opt.step(carry[0], grads, carry[1], donate=donate)
@@ -181,12 +188,7 @@ def by_hand_pure_step(case: str) -> tuple[Step, Read]:
     """The pure fused step without modstate: copy every param and buffer, make the new step
     counter, run torch's fused kernel in place on the copies. It starts where `modstate_step`
     starts (modstate's own warm-up steps) and computes what modstate's pure fused step does."""
-    factory, _, kwargs, _, _ = CASES[case]
-    model = make_model()
-    params = ms.tree.clone(ms.extract(model, detach=True))
-    grads = ms.unflatten({name: p.grad for name, p in model.named_parameters()})
-    opt = factory(**kwargs, fused=True)
-    state = opt.init(params)
+    opt, params, grads, state = start(case, FUSED["fused=True"])
     for _ in range(WARM_STEPS):
         params, state = opt.step(params, grads, state)
     names = opt.buffer_names

@@ -181,6 +181,12 @@ def torch_func_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
     return step, lambda: {**params, **holder["buffers"]}
 
 
+def stacked_halves(models: list[nn.Module]) -> tuple[dict, dict]:
+    """The members' ``split`` halves (params, state), each stacked over the members."""
+    halves = [ms.split(m, detach=True) for m in models]
+    return ms.stack([h[0] for h in halves]), ms.stack([h[1] for h in halves])
+
+
 def functional_vmap_step(
     models: list[nn.Module], x: torch.Tensor, y: torch.Tensor, gradient: Callable = ms.grad
 ):
@@ -190,8 +196,7 @@ def functional_vmap_step(
     backward runs for every member and ``ms.apply`` runs the ensemble's batched kernels; with
     ``torch.func.grad``, torch.func's per-op dispatch and vmap's rules run."""
     model = models[0]
-    params = ms.stack([ms.split(m, detach=True)[0] for m in models])
-    state = ms.stack([ms.split(m, detach=True)[1] for m in models])
+    params, state = stacked_halves(models)
     opt = ms.optim.adam(lr=LR, fused=True)
     holder = {"params": params, "state": state, "opt": opt.init(params)}
 
@@ -216,8 +221,7 @@ def vmap_passes_reference(models: list[nn.Module], x: torch.Tensor, y: torch.Ten
     like the params, one number per member and the state out): the least a step that runs
     inside ``torch.vmap`` pays on top of the Ensemble's own, torch.vmap's passes over the
     trees (its pytree walks and member views). The step is the Ensemble's, so it checks as one."""
-    params = ms.stack([ms.split(m, detach=True)[0] for m in models])
-    state = ms.stack([ms.split(m, detach=True)[1] for m in models])
+    params, state = stacked_halves(models)
     step, read = functional_ensemble_step(models, x, y)
 
     def nothing(p: dict, s: dict) -> tuple[dict, tuple[torch.Tensor, dict]]:
