@@ -156,7 +156,7 @@ def test_the_check_names_an_import_against_the_layers(module, source, expected):
     [
         ("modstate.tree._map", "from modstate._core.torch_facts import foreach_allowed"),
         ("modstate.tree._map", "from ._walk import map_leaves"),
-        ("modstate.optim._adam", "from modstate.tree._ties import keeping_ties"),
+        ("modstate.optim._adam", "from modstate._core.trees.ties import keeping_ties"),
         ("modstate.cli._demo", "import modstate as ms\nfrom modstate import optim, tree"),
         ("modstate.cli", "from modstate.cli._demo import run\nimport torch"),
         ("modstate", "from modstate.ensemble import Ensemble"),

@@ -9,19 +9,13 @@ True
 """
 
 from modstate import checkpoint, optim, tree
-from modstate._core import (
-    call,
-    call_partial,
-    extract,
-    flatten,
-    grad,
-    grad_and_value,
-    inject,
-    load,
-    split,
-    swap,
-    unflatten,
-)
+from modstate._core.call import call, call_partial
+from modstate._core.extract import extract
+from modstate._core.grad.routes import grad, grad_and_value
+from modstate._core.inject import inject, swap
+from modstate._core.load import load
+from modstate._core.split import split
+from modstate._core.trees.flat import flatten, unflatten
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 from modstate.ensemble._members_apply import apply
 

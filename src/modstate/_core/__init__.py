@@ -1,47 +1,25 @@
 """The engine: where a module keeps its tensors, and how trees go in and out of it.
 
-The pipeline, bottom up:
+A map, not a face: the public names are re-exported by ``modstate/__init__.py`` from the modules
+that define them. Bottom up (each level imports only the levels below it; ``tests/test_layers.py``
+keeps the rule):
 
-- ``anatomy``: the one place that knows where a module keeps its tensors (``_parameters``,
-  ``_buffers``, ties, shared modules, lazy state), compiled once per module; ``tables``: the
-  dicts it lays over ``_parameters`` / ``_buffers``, which a stateless call overlays for its own
-  thread only;
-- ``types``, ``flat``, ``leaves``: what a tree is, nested <-> dotted ``state_dict`` keys, and
-  reading the trees (or tuples of trees) callers pass; ``torch_facts``: small facts about torch
-  tensors (functorch wrappers, DTensor, write-back) stated once;
-- ``sharded``: the machinery of FSDP2 / tensor-parallel modules; ``hooks``: the ``state_dict``
-  bridge;
-- ``prepare``: check a tree against a module and plan which slot gets which tensor (three
-  routes; ``readers`` and ``parts`` read trees and tuples of trees by programs made once per
-  structure), raising the ``errors``; ``swaps``: the prepared swaps, applied and undone, for the
-  calling thread only (calls) or for every thread (``inject``, ``swap``);
-- ``extract`` takes a tree out, ``split`` divides it into what is trained and what is carried;
-  ``inject`` / ``swap`` / ``load`` (in ``inject``) put one in; ``call`` is the stateless call and
-  ``apply`` the pure stateful one; ``grad`` differentiates a function of trees
-  (``torch.func.grad``'s contract, plain autograd outside transforms).
+- base: ``errors`` (the one error format), ``types`` (what a tree is), ``torch_facts`` (small
+  facts about torch tensors stated once), ``vmap_levels`` (torch's functorch interpreter stack:
+  which ``vmap`` levels are running, a tensor's member view);
+- ``trees/``: trees as data, with no module in sight: nested <-> dotted keys, reading the trees
+  (or tuples of trees) callers pass, ties between leaves;
+- ``sharded/``: FSDP2 / tensor-parallel modules (gathers, units, the sharding of one module). A
+  reader working on plain modules can skip it;
+- ``module/``: where a module keeps its tensors (the anatomy, compiled once per module), the slot
+  tables a stateless call overlays for its own thread, and the ``state_dict`` bridge;
+- ``swap/``: checking a tree against a module and planning which slot gets which tensor
+  (``prepare``), the swaps applied and undone (``swaps``), and the reading programs made once per
+  tree structure;
+- ``grad/``: differentiating a function of trees (``torch.func.grad``'s contract, plain autograd
+  outside transforms);
+- the verbs, at the top: ``extract``, ``split``, ``call`` (``call``, ``call_partial``), ``apply``,
+  ``inject`` (``inject``, ``swap``) and ``load``.
 
-This is the bottom part: it imports torch and optree only, never another part of modstate.
+This is the bottom part of modstate: it imports torch and optree only, never another part.
 """
-
-from modstate._core.apply import apply
-from modstate._core.call import call, call_partial
-from modstate._core.extract import extract
-from modstate._core.flat import flatten, unflatten
-from modstate._core.grad import grad, grad_and_value
-from modstate._core.inject import inject, load, swap
-from modstate._core.split import split
-
-__all__ = [
-    "apply",
-    "call",
-    "call_partial",
-    "extract",
-    "flatten",
-    "grad",
-    "grad_and_value",
-    "inject",
-    "load",
-    "split",
-    "swap",
-    "unflatten",
-]

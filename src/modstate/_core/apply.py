@@ -9,15 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .anatomy import anatomy_of
-from .apply_plan import buffer_owners, copy_buffers, plan_for
-from .call import call, run_swapped
-from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
-from .flat import is_subtree, iter_leaves
-from .prepare import prepare_in_plan_order
-from .swaps import Swap
-from .torch_facts import version
-from .types import Tree
+from modstate._core.call import call, run_swapped
+from modstate._core.errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
+from modstate._core.module.anatomy import anatomy_of
+from modstate._core.swap.apply_plan import buffer_owners, copy_buffers, plan_for
+from modstate._core.swap.prepare import prepare_in_plan_order
+from modstate._core.swap.swaps import Swap
+from modstate._core.torch_facts import version
+from modstate._core.trees.flat import is_subtree, iter_leaves
+from modstate._core.types import Tree
 
 
 def apply(

@@ -7,12 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
-from .flat import flatten, unflatten
-from .prepare import prepare
-from .swaps import Swap
-from .torch_facts import write_back
-from .types import TreeArg
+from modstate._core.errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
+from modstate._core.swap.prepare import prepare
+from modstate._core.swap.swaps import Swap
+from modstate._core.torch_facts import write_back
+from modstate._core.trees.flat import flatten, unflatten
+from modstate._core.types import TreeArg
 
 _CALL_FIX = (
     "call needs every path: give the rest too, e.g. the tuple ms.split(module) returns, "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .anatomy import Anatomy
+    from modstate._core.module.anatomy import Anatomy
 
 
 _E = TypeVar("_E", bound="PathError")

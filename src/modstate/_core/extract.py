@@ -6,10 +6,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .anatomy import anatomy_of
-from .flat import iter_leaves, unflatten
-from .hooks import state_dict_tree
-from .types import Tree
+from modstate._core.module.anatomy import anatomy_of
+from modstate._core.module.state_dict import state_dict_tree
+from modstate._core.trees.flat import iter_leaves, unflatten
+from modstate._core.types import Tree
 
 
 def extract(

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .extract import detached, extract
-from .flat import iter_leaves, unflatten
-from .types import Tree
+from modstate._core.extract import detached, extract
+from modstate._core.trees.flat import iter_leaves, unflatten
+from modstate._core.types import Tree
 
 
 def split(module: nn.Module, *, detach: bool = False) -> tuple[Tree, Tree]:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from modstate._core.flat import unflatten
+from modstate._core.trees.flat import unflatten
 from modstate.checkpoint._leaves import flat_tree, refuse_swapped_arguments
 
 # torch.distributed.checkpoint is imported when first used: ``import modstate`` stays light.

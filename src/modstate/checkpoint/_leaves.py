@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from modstate._core.errors import PathError
-from modstate._core.flat import flatten, is_subtree
 from modstate._core.torch_facts import is_dtensor
+from modstate._core.trees.flat import flatten, is_subtree
 
 # Every dtype that both torch and safetensors know (safetensors' own table, by torch name).
 _SAFETENSORS_DTYPE_NAMES = (

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from modstate._core.flat import unflatten
+from modstate._core.trees.flat import unflatten
 from modstate.checkpoint import _atomic, _file
 from modstate.checkpoint._leaves import flat_tree, refuse_swapped_arguments
 

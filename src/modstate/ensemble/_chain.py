@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modstate._core.anatomy import buffer_paths
 from modstate._core.extract import extract
-from modstate._core.flat import flatten
+from modstate._core.module.anatomy import buffer_paths
+from modstate._core.trees.flat import flatten
 
 from ._kernels import (
     ELEMENTWISE,

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from modstate._core.extract import extract
-from modstate._core.flat import Layout, flatten
 from modstate._core.inject import swap
+from modstate._core.trees.flat import Layout, flatten
 from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from modstate._core.extract import extract
-from modstate._core.flat import flatten, unflatten
+from modstate._core.trees.flat import flatten, unflatten
 from modstate._core.types import Tree
 
 from ._stack import (

@@ -1,5 +1,5 @@
 """Which vmap level is an ensemble's own: the seam to ``torch.vmap`` itself
-(`modstate._core.vmap_layers`), plus the level of the ensemble's forward running now.
+(`modstate._core.vmap_levels`), plus the level of the ensemble's forward running now.
 
 The ensemble's own vmap level is kept in a context variable for the duration of its forward
 (`ensemble_level`), so that a kernel knows which batch dim is the member dim and a layer
@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-from modstate._core.vmap_layers import (
+from modstate._core.vmap_levels import (
     VmapSetAside,
     as_member_view,
     maybe_current_level,

@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 from torch.nn.parameter import is_lazy
 
-from modstate._core.anatomy import slot_at
 from modstate._core.extract import extract
-from modstate._core.flat import flatten
+from modstate._core.module.anatomy import slot_at
+from modstate._core.trees.flat import flatten
 
 from ._ensemble import Ensemble, _options
 from ._stacked_state import sharing_copy

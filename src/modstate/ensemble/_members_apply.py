@@ -4,7 +4,7 @@
 ``ms.apply(model, p, s, x)`` is the functional ensemble loop. Left to ``torch.vmap``, the model's
 forward runs one operation at a time through vmap's batching rules. When that vmap is the only
 transform running (``ms.grad`` runs the members' loss under the caller's vmap with plain
-autograd: see `modstate._core.grad_members`) and it maps every tensor of ``params`` and
+autograd: see `modstate._core.grad.members`) and it maps every tensor of ``params`` and
 ``state``, the call goes to the module's kept `Ensemble` (`_kept`) over those stacked tensors
 instead: the same batched kernels and plan as ``Ensemble`` (one batched matmul per ``Linear``,
 grouped convolutions, per-member BatchNorm), with vmap's randomness. Anything the route does not
@@ -26,7 +26,7 @@ from modstate._core.apply import apply as apply_one
 from modstate._core.errors import PathError
 from modstate._core.torch_facts import functorch_active, is_dtensor
 from modstate._core.types import Tree
-from modstate._core.vmap_layers import (
+from modstate._core.vmap_levels import (
     LoneVmap,
     VmapSetAside,
     as_member_view,

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from modstate._core.anatomy import buffer_paths
 from modstate._core.extract import extract
-from modstate._core.flat import flatten
+from modstate._core.module.anatomy import buffer_paths
+from modstate._core.trees.flat import flatten
 
 from ._functorch import VmapSetAside, as_member_view, ensemble_level, members_of, running
 from ._kernels import Home, KernelContext, MultiheadAttentionKernel, folded_attention

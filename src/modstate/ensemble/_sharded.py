@@ -22,12 +22,12 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from modstate._core.anatomy import slot_at
 from modstate._core.call import call
 from modstate._core.extract import extract
-from modstate._core.flat import flatten, unflatten
-from modstate._core.inject import load
+from modstate._core.load import load
+from modstate._core.module.anatomy import slot_at
 from modstate._core.torch_facts import functorch_active, is_dtensor
+from modstate._core.trees.flat import flatten, unflatten
 
 
 def member_range(count: int, mesh: Any, caller: str) -> range:

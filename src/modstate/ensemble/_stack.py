@@ -11,7 +11,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from modstate._core.extract import extract
-from modstate._core.flat import flatten, unflatten
+from modstate._core.trees.flat import flatten, unflatten
 from modstate._core.types import Tree
 
 

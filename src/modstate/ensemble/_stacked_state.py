@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from modstate._core.anatomy import slot_at
 from modstate._core.extract import extract
-from modstate._core.flat import flatten
+from modstate._core.module.anatomy import slot_at
+from modstate._core.trees.flat import flatten
 from modstate._core.types import Tree
 
 from ._kernels import Home

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from modstate._core.anatomy import anatomy_of
 from modstate._core.call import call
-from modstate._core.flat import Layout
+from modstate._core.module.anatomy import anatomy_of
+from modstate._core.trees.flat import Layout
 from modstate._core.types import Tree
 
 from ._functorch import as_member_view, maybe_current_level

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from modstate._core.anatomy import buffer_paths
 from modstate._core.call import call
 from modstate._core.errors import PathError
-from modstate._core.flat import flatten, unflatten
+from modstate._core.module.anatomy import buffer_paths
 from modstate._core.torch_facts import functorch_active, is_dtensor, write_back
+from modstate._core.trees.flat import flatten, unflatten
 from modstate._core.types import Tree
 
 from ._kept import ensemble_for

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from modstate._core.flat import flatten, unflatten
 from modstate._core.torch_facts import is_dtensor
+from modstate._core.trees.flat import flatten, unflatten
 
 # State entries that torch.optim keeps with the shape of their parameter; others (such as the
 # 0-dim "step", or Adafactor's factored moments) have their own shapes and are not checked.

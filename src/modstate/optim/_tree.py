@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from modstate._core.torch_facts import functorch_active
+from modstate._core.trees.ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.optim._lists import Leaves
-from modstate.tree._ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.tree._walk import leaves_with_paths
 
 

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, TypeAlias
 from torch import Tensor
 from torch.nn import Parameter
 
+from modstate._core.trees.ties import retie, tie_pairs
 from modstate.tree._errors import Result, naming_paths
-from modstate.tree._ties import retie, tie_pairs
 
 
 class Place(enum.Enum):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from modstate._core.trees.ties import keeping_ties
 from modstate.tree._errors import naming_paths
-from modstate.tree._ties import keeping_ties
 from modstate.tree._walk import APPLY, leaves_with_paths, map_leaves, map_leaves_n
 
 

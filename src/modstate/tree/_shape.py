@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from modstate._core.trees.ties import retie, tie_pairs
 from modstate.tree._errors import message
 from modstate.tree._fast import Decline, DictLeaves, fast_or_walk, refill, refill_tied
-from modstate.tree._ties import retie, tie_pairs
 from modstate.tree._walk import REFUSE, first_tensor, map_leaves, split_leaves
 
 

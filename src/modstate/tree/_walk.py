@@ -29,8 +29,8 @@ from typing import Any
 import optree
 from torch import Tensor
 
+from modstate._core.trees.ties import keeping_ties
 from modstate.tree._errors import AtPath, StructureMismatch, at_key, refuse_non_tensor
-from modstate.tree._ties import keeping_ties
 
 
 class NonTensor(enum.Enum):

@@ -13,8 +13,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .anatomy import Anatomy
-from .readers import TreeReader
+from modstate._core.module.anatomy import Anatomy
+from modstate._core.trees.readers import TreeReader
 
 _MOST_PLANS = 8  # structures remembered per module; a loop uses one or two
 

@@ -16,7 +16,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .readers import TreeReader
+from modstate._core.trees.readers import TreeReader
 
 
 class Differentiated:

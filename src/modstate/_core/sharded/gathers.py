@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .torch_facts import functorch_active, is_dtensor, unwrapped
+from modstate._core.torch_facts import functorch_active, is_dtensor, unwrapped
 
 _VMAP_OF_GRAD = (
     "torch.vmap around torch.func.grad (per-sample gradients) through a call on a sharded module "

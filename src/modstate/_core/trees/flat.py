@@ -7,8 +7,8 @@ from typing import Any, cast
 
 import optree
 
-from .errors import DuplicatePath, PathError, PathTypeError, PathValueError
-from .types import Tree
+from modstate._core.errors import DuplicatePath, PathError, PathTypeError, PathValueError
+from modstate._core.types import Tree
 
 EXTRA_STATE = "_extra_state"
 """The key ``state_dict`` uses for ``get_extra_state()``: its value is opaque, never walked into."""

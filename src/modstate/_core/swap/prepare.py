@@ -23,16 +23,16 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from .anatomy import Anatomy, ModuleGuard, anatomy_of, serial_lock
-from .errors import MissingPaths, dtype_mismatch, shape_mismatch, unknown_path
-from .flat import unflatten
-from .hooks import Assignment, LoadPlan, plan_load
-from .leaves import leaves_of
-from .parts import read_parts
-from .sharded import partial_leaf
-from .swaps import Swap, UnshardedSwap
-from .torch_facts import unwrapped
-from .types import TreeArg
+from modstate._core.errors import MissingPaths, dtype_mismatch, shape_mismatch, unknown_path
+from modstate._core.module.anatomy import Anatomy, ModuleGuard, anatomy_of, serial_lock
+from modstate._core.module.state_dict import Assignment, LoadPlan, plan_load
+from modstate._core.sharded.sharding import partial_leaf
+from modstate._core.swap.parts import read_parts
+from modstate._core.swap.swaps import Swap, UnshardedSwap
+from modstate._core.torch_facts import unwrapped
+from modstate._core.trees.flat import unflatten
+from modstate._core.trees.leaves import leaves_of
+from modstate._core.types import TreeArg
 
 _is = operator.is_
 _shape_and_dtype = operator.attrgetter("shape", "dtype")

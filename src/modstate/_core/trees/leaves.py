@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .errors import DuplicatePath, PathTypeError
-from .flat import is_subtree, non_string_key
-from .types import TreeArg
+from modstate._core.errors import DuplicatePath, PathTypeError
+from modstate._core.trees.flat import is_subtree, non_string_key
+from modstate._core.types import TreeArg
 
 TWICE_IN_ONE_TREE = (
     "given twice in one tree, as a dotted key and nested",

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .grad_members import across_members
-from .grad_trees import (
+from modstate._core.grad.arguments import (
     Differentiated,
     Ties,
     call_on_leaves,
@@ -35,9 +34,10 @@ from .grad_trees import (
     grad_enabled,
     split_output,
 )
-from .readers import TreeReader
-from .torch_facts import functorch_active, scalar_gradients
-from .vmap_layers import lone_vmap
+from modstate._core.grad.members import across_members
+from modstate._core.torch_facts import functorch_active, scalar_gradients
+from modstate._core.trees.readers import TreeReader
+from modstate._core.vmap_levels import lone_vmap
 
 Argnums = int | tuple[int, ...]
 

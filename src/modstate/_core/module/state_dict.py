@@ -29,10 +29,10 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 from torch.nn.parameter import is_lazy
 
-from .anatomy import buffer_paths
-from .errors import PathError
-from .flat import Layout, unflatten
-from .types import Tree
+from modstate._core.errors import PathError
+from modstate._core.module.anatomy import buffer_paths
+from modstate._core.trees.flat import Layout, unflatten
+from modstate._core.types import Tree
 
 _DEFAULT_LOAD = nn.Module._load_from_state_dict
 _DEFAULT_SET_EXTRA_STATE = nn.Module.set_extra_state

@@ -20,9 +20,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .anatomy import Anatomy
-from .readers import TreeReader
-from .torch_facts import version
+from modstate._core.module.anatomy import Anatomy
+from modstate._core.torch_facts import version
+from modstate._core.trees.readers import TreeReader
 
 _MOST_PLANS = 8  # pairs of structures remembered per module; a loop uses one
 _is = operator.is_

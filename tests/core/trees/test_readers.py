@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from modstate._core.readers import TreeReader
+from modstate._core.trees.readers import TreeReader
 
 
 def test_a_tree_read_and_built_again_keeps_its_structure_and_key_order():

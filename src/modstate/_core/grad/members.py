@@ -25,9 +25,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .grad_trees import Differentiated, Ties, call_on_leaves, grad_enabled, split_output
-from .torch_facts import scalar_gradients
-from .vmap_layers import LoneVmap, VmapSetAside, as_member_view, members_of, vmap_tree_map
+from modstate._core.grad.arguments import (
+    Differentiated,
+    Ties,
+    call_on_leaves,
+    grad_enabled,
+    split_output,
+)
+from modstate._core.torch_facts import scalar_gradients
+from modstate._core.vmap_levels import (
+    LoneVmap,
+    VmapSetAside,
+    as_member_view,
+    members_of,
+    vmap_tree_map,
+)
 
 
 def across_members(

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .gathers import Gathered, gather
-from .torch_facts import is_dtensor
+from modstate._core.sharded.gathers import Gathered, gather
+from modstate._core.torch_facts import is_dtensor
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 

@@ -35,9 +35,9 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from .readers import TreeReader
-from .sharded import Sharding, sharding_of
-from .tables import SlotTable, calls_here
+from modstate._core.module.tables import SlotTable, calls_here
+from modstate._core.sharded.sharding import Sharding, sharding_of
+from modstate._core.trees.readers import TreeReader
 
 _getitem = operator.getitem
 _own = dict.__getitem__  # a slot's own entry, never a thread's layer

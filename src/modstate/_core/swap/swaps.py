@@ -27,15 +27,15 @@ from typing import Any
 
 from torch import nn
 
-from .anatomy import ModuleGuard
-from .flat import unflatten
-from .gathers import gathered
-from .hooks import LoadPlan
-from .leaves import leaves_of
-from .sharded import Sharding
-from .tables import SlotTable, calls_here, enter_call, get_ident, leave_call
-from .types import Tree, TreeArg
-from .units import Units
+from modstate._core.module.anatomy import ModuleGuard
+from modstate._core.module.state_dict import LoadPlan
+from modstate._core.module.tables import SlotTable, calls_here, enter_call, get_ident, leave_call
+from modstate._core.sharded.gathers import gathered
+from modstate._core.sharded.sharding import Sharding
+from modstate._core.sharded.units import Units
+from modstate._core.trees.flat import unflatten
+from modstate._core.trees.leaves import leaves_of
+from modstate._core.types import Tree, TreeArg
 
 _own = dict.__getitem__
 _set_own = dict.__setitem__

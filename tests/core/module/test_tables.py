@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import modstate as ms
-from modstate._core.tables import SlotTable
+from modstate._core.module.tables import SlotTable
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import modstate as ms
-from modstate._core.anatomy import anatomy_of
+from modstate._core.module.anatomy import anatomy_of
 
 
 def sequential() -> nn.Module:

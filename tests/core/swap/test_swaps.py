@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import modstate as ms
-from modstate._core.prepare import prepare
+from modstate._core.swap.prepare import prepare
 
 from zoo import forward_with
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import modstate as ms
-from modstate._core import parts
-from modstate._core.anatomy import anatomy_of
+from modstate._core.module.anatomy import anatomy_of
+from modstate._core.swap import parts
 
 from zoo import Counter, TiedLM
 

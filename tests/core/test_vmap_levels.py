@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from modstate._core import vmap_layers
-from modstate._core.vmap_layers import as_member_view, lone_vmap, members_of
+from modstate._core import vmap_levels
+from modstate._core.vmap_levels import as_member_view, lone_vmap, members_of
 
 
 def test_lone_vmap_reads_the_running_vmap_and_nothing_else(monkeypatch):
@@ -19,7 +19,7 @@ def test_lone_vmap_reads_the_running_vmap_and_nothing_else(monkeypatch):
     torch.vmap(record, randomness="different")(torch.ones(3, 2))
     torch.vmap(torch.vmap(record))(torch.ones(2, 3, 2))  # two vmaps: not a lone one
     torch.func.grad(lambda x: torch.vmap(record)(x).sum())(torch.ones(3, 2))  # grad around it
-    monkeypatch.setattr(vmap_layers, "_VmapPointer", None)  # torch's Python wrapper instead
+    monkeypatch.setattr(vmap_levels, "_VmapPointer", None)  # torch's Python wrapper instead
     torch.vmap(record, randomness="same")(torch.ones(4, 2))
     assert seen[0] == (1, 3, "different")
     assert seen[1] is None and seen[2] is None

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import modstate as ms
-from modstate._core import apply_plan
-from modstate._core.anatomy import anatomy_of
+from modstate._core.module.anatomy import anatomy_of
+from modstate._core.swap import apply_plan
 
 from zoo import Counter
 

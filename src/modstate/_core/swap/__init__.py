@@ -1,0 +1,11 @@
+"""Putting a tree's tensors into a module's slots, and taking them out again.
+
+- ``prepare``: check a tree against a module and plan which slot gets which tensor (every check
+  runs here, before anything changes);
+- ``swaps``: the prepared swaps, applied and undone, for the calling thread only (calls) or for
+  every thread (``inject``, ``swap``);
+- ``parts`` and ``apply_plan``: the reading programs a call and ``apply`` make once per tree
+  structure.
+
+May import: the base modules, ``trees``, ``sharded`` and ``module``.
+"""
