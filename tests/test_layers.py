@@ -119,6 +119,107 @@ def check(package_dir: Path, root: Path) -> list[str]:
     return found
 
 
+# Inside _core, its rooms import downwards too (see _core/__init__.py): the base modules, then
+# trees/, sharded/, module/, swap/ and grad/, then the verbs at its top.
+CORE_BASE = {"errors", "types", "torch_facts", "vmap_levels"}
+CORE_FOLDERS = {"trees", "sharded", "module", "swap", "grad"}
+CORE_ALLOWED = {
+    "base": set(),
+    "trees": {"base"},
+    "sharded": {"base"},
+    "module": {"base", "trees", "sharded"},
+    "swap": {"base", "trees", "sharded", "module"},
+    "grad": {"base", "trees"},
+    "verbs": {"base", "trees", "sharded", "module", "swap", "grad"},
+}
+
+
+def room_of(module: str) -> str | None:
+    """The room of ``_core`` a module is in (``"module"`` for ``modstate._core.module.anatomy``,
+    ``"base"`` for ``errors``, ``"verbs"`` for ``call``); None outside ``_core`` and for its
+    ``__init__``, which is a map with no imports."""
+    parts = module.split(".")
+    if parts[:2] != ["modstate", "_core"] or len(parts) < 3:
+        return None
+    if parts[2] in CORE_FOLDERS:
+        return parts[2]
+    return "base" if parts[2] in CORE_BASE else "verbs"
+
+
+def core_problems(module: str, imports: list[tuple[int, str]]) -> list[str]:
+    """Every import of a ``_core`` module that reaches a room above its own."""
+    own = room_of(module)
+    if own is None:
+        return []
+    found = []
+    for line, name in imports:
+        target = room_of(name)
+        if target is None or target == own or target in CORE_ALLOWED[own]:
+            continue
+        allowed = sorted(CORE_ALLOWED[own]) or "no other room"
+        found.append(f"{module}:{line} imports {name} (_core/{own} may import {allowed})")
+    return found
+
+
+def test_the_rooms_of_core_import_downwards_only():
+    found = []
+    for path in sorted((PACKAGE / "_core").rglob("*.py")):
+        module = module_name(path)
+        imports = imported_modules(path.read_text(), module, path.name == "__init__.py")
+        found += core_problems(module, imports)
+    assert not found, "imports against _core's rooms:\n" + "\n".join(found)
+
+
+def test_every_room_of_core_has_its_rule():
+    folders = {
+        path.name for path in (PACKAGE / "_core").iterdir() if (path / "__init__.py").is_file()
+    }
+    assert folders == CORE_FOLDERS
+    modules = {path.stem for path in (PACKAGE / "_core").glob("*.py")} - {"__init__"}
+    assert CORE_BASE <= modules
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        (
+            "modstate._core.trees.flat",
+            "from modstate._core.module.anatomy import anatomy_of",
+            "_core/trees may import ['base']",
+        ),
+        (
+            "modstate._core.errors",
+            "from modstate._core.trees.flat import flatten",
+            "_core/base may import no other room",
+        ),
+        (
+            "modstate._core.module.anatomy",
+            "from ..swap.prepare import prepare",
+            "_core/module may import",
+        ),
+        (
+            "modstate._core.grad.routes",
+            "from modstate._core.call import call",
+            "_core/grad may import",
+        ),
+    ],
+)
+def test_the_check_names_an_import_against_the_rooms(module, source, expected):
+    (problem,) = core_problems(module, imported_modules(source, module, False))
+    assert expected in problem and problem.startswith(module)
+
+
+def test_the_check_lets_downward_imports_in_core_pass():
+    source = "from modstate._core.swap.prepare import prepare\nfrom ..trees.flat import flatten"
+    assert (
+        core_problems(
+            "modstate._core.swap.swaps",
+            imported_modules(source, "modstate._core.swap.swaps", False),
+        )
+        == []
+    )
+
+
 def test_every_part_imports_downwards_only():
     found = check(PACKAGE, SOURCE)
     assert not found, "imports against the layers:\n" + "\n".join(found)

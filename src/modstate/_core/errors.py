@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from modstate._core.module.anatomy import Anatomy
-
 
 _E = TypeVar("_E", bound="PathError")
 
@@ -117,24 +115,4 @@ def dtype_mismatch(path: str, leaf: Tensor, current: Tensor) -> DtypeMismatch:
         path,
         f"dtype {leaf.dtype} in the tree, {current.dtype} in the module",
         "strict=False accepts other dtypes",
-    )
-
-
-def unknown_path(anatomy: Anatomy, path: str) -> UnknownPath:
-    """The error for a tree path that names no slot of the module, saying what is there instead."""
-    if path in anatomy.module_paths:
-        return UnknownPath(
-            path, "is a submodule, not a tensor", "give a dict of its tensors, not a single value"
-        )
-    owner = path.rpartition(".")[0]
-    while owner and owner not in anatomy.module_paths:
-        if owner in anatomy.by_path:
-            return UnknownPath(
-                path, f"{owner!r} is a tensor, not a submodule", f"give {owner!r} itself"
-            )
-        owner = owner.rpartition(".")[0]
-    return UnknownPath(
-        path,
-        "unknown path: the module has no parameter or buffer there",
-        "leave it out, or check the key against ms.flatten(ms.extract(module))",
     )

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from typing import Any
 
+from modstate._core.trees.paths import glob_matches
 from modstate.tree._errors import message
 from modstate.tree._walk import children, dict_like, is_leaf, map_leaves
 
@@ -66,24 +65,22 @@ def exclude(tree: Any, *patterns: str) -> Any:
     return _filter(tree, "", _compile(patterns, "exclude"), keep_matches=False)[0]
 
 
-def _compile(patterns: tuple[Any, ...], op: str) -> re.Pattern[str]:
+def _compile(patterns: tuple[Any, ...], op: str) -> tuple[str, ...]:
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise TypeError(message(op, f"patterns must be strings, got {pattern!r}"))
-    if not patterns:
-        return re.compile(r"(?!)")  # matches nothing
-    return re.compile("|".join(fnmatch.translate(pattern) for pattern in patterns))
+    return patterns
 
 
 def _copy_containers(node: Any) -> Any:
     return map_leaves(lambda leaf: leaf, node)
 
 
-def _filter(node: Any, path: str, pattern: re.Pattern[str], keep_matches: bool) -> tuple[Any, bool]:
+def _filter(node: Any, path: str, patterns: tuple[str, ...], keep_matches: bool) -> tuple[Any, bool]:
     """``(filtered node, whether it is now empty although it held leaves)``."""
-    matched = pattern.match(path) is not None if path else False
+    matched = glob_matches(patterns, path) if path else False
     if is_leaf(node):
-        keep = (pattern.match(path) is not None) == keep_matches
+        keep = glob_matches(patterns, path) == keep_matches
         return (node, False) if keep else (None, True)
     if matched:
         # A subtree named by a pattern is kept or dropped whole.
@@ -99,7 +96,7 @@ def _filter(node: Any, path: str, pattern: re.Pattern[str], keep_matches: bool) 
     dropped = []
     for key, child in zip(keys, kids, strict=True):
         child_path = f"{path}.{key}" if path else str(key)
-        new_child, child_emptied = _filter(child, child_path, pattern, keep_matches)
+        new_child, child_emptied = _filter(child, child_path, patterns, keep_matches)
         new_kids.append(new_child)
         dropped.append(child_emptied)
         if child_emptied:

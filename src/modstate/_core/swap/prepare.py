@@ -23,7 +23,12 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from modstate._core.errors import MissingPaths, dtype_mismatch, shape_mismatch, unknown_path
+from modstate._core.errors import (
+    MissingPaths,
+    UnknownPath,
+    dtype_mismatch,
+    shape_mismatch,
+)
 from modstate._core.module.anatomy import Anatomy, ModuleGuard, anatomy_of, serial_lock
 from modstate._core.module.state_dict import Assignment, LoadPlan, plan_load
 from modstate._core.sharded.sharding import partial_leaf
@@ -340,3 +345,23 @@ def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
                     f"{a.key!r}: dtype {a.value.dtype} in the tree, {a.current.dtype} in the module "
                     "(strict=False accepts other dtypes)"
                 )
+
+
+def unknown_path(anatomy: Anatomy, path: str) -> UnknownPath:
+    """The error for a tree path that names no slot of the module, saying what is there instead."""
+    if path in anatomy.module_paths:
+        return UnknownPath(
+            path, "is a submodule, not a tensor", "give a dict of its tensors, not a single value"
+        )
+    owner = path.rpartition(".")[0]
+    while owner and owner not in anatomy.module_paths:
+        if owner in anatomy.by_path:
+            return UnknownPath(
+                path, f"{owner!r} is a tensor, not a submodule", f"give {owner!r} itself"
+            )
+        owner = owner.rpartition(".")[0]
+    return UnknownPath(
+        path,
+        "unknown path: the module has no parameter or buffer there",
+        "leave it out, or check the key against ms.flatten(ms.extract(module))",
+    )
