@@ -95,6 +95,8 @@ def vmap_call(
         raise ValueError(
             f"vmap_call: randomness={randomness!r}; use one of {', '.join(map(repr, RANDOMNESS))}"
         )
+    if torch.compiler.is_compiling():
+        return _traced(module, stacked, args, kwargs, in_dims, randomness, chunk_size)
     flat = flatten(stacked)
     check_stacked(module, flat)
     plan = StackedCall(list(flat), list(flat.values()), buffer_paths(module), "vmap_call")
@@ -122,6 +124,27 @@ def vmap_call(
 
 
 _NOT_TAKEN = object()
+
+
+def _traced(
+    module: nn.Module,
+    stacked: Tree,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: InDims,
+    randomness: str,
+    chunk_size: int | None,
+) -> Any:
+    """`vmap_call` while torch.compile traces it: ``torch.vmap`` over `call`, which Dynamo
+    traces into one graph (the eager route's checks and kept ensemble read the module's
+    anatomy, which a trace cannot build). `call` checks the paths while tracing."""
+    dims = argument_dims(in_dims, len(args), "vmap_call")
+    return torch.vmap(
+        lambda tree, *inputs: call(module, tree, *inputs, **kwargs),
+        in_dims=(0, *dims),
+        randomness=randomness,
+        chunk_size=chunk_size,
+    )(stacked, *args)
 
 
 def _with_kept_ensemble(

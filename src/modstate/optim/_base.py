@@ -59,6 +59,16 @@ def _resolve(value: Any, count_before: float | Tensor) -> Any:
     return value
 
 
+def _resolve_traced(value: Any, count_before: Tensor) -> Any:
+    """`_resolve` while tracing: a schedule is evaluated on the tensor count, and nothing is
+    read into a number (a read would end the graph)."""
+    if isinstance(value, tuple):
+        return tuple(_resolve_traced(item, count_before) for item in value)
+    if callable(value) and not isinstance(value, Tensor):
+        return value(count_before)
+    return value
+
+
 @dataclass(frozen=True)
 class ElementwiseOptimizer:
     """Base of the pure optimizers whose update is elementwise over the leaves (every optimizer
@@ -78,6 +88,7 @@ class ElementwiseOptimizer:
 
     def __post_init__(self) -> None:
         check_kernels(self.name, self.foreach, self.fused, has_fused=self.has_fused)
+        _hyperparameter_names(type(self))  # known before any trace (dataclass fields are not)
 
     def __getstate__(self) -> dict[str, Any]:
         """The fields only: a pickled or copied optimizer leaves its caches behind (what the
@@ -163,6 +174,8 @@ class ElementwiseOptimizer:
             (tensor([0.5000, 0.5000]), tensor([1., 1.]))
         """
         names = self.buffer_names
+        if torch.compiler.is_compiling():
+            return self._traced_step(params, grads, state, names)
         repeat = self.__dict__.get("_repeat")
         if repeat is not None and repeat.donated == donate:
             run = again(repeat, params, grads, state)
@@ -222,6 +235,49 @@ class ElementwiseOptimizer:
             kept = self._remembered(leaves, run, new_scalars, kernel, hyper)
         object.__setattr__(self, "_repeat", kept)  # a cache, not a field
         return new_params, new_state
+
+    def _traced_step(
+        self, params: Tree, grads: Tree, state: Mapping[str, Any], names: tuple[str, ...]
+    ) -> tuple[Tree, dict[str, Any]]:
+        """`step` while ``torch.compile`` traces it: one graph for every step of a run.
+
+        The same checks (at trace time: they read only structure, shapes and dtypes), none of the
+        eager caches (a compiled graph is its own cache), and every step-dependent number kept a
+        tensor, as ``torch.optim``'s ``capturable`` keeps it: the step count, a schedule's value
+        and a 0-dim hyperparameter are graph inputs, so a new step count or learning rate is a
+        new input, not a recompile. The update is the out-of-place single-tensor form (the
+        compiler fuses it; in place, a donated step gains nothing once compiled), so donation is
+        accepted and changes nothing.
+        """
+        step = self._check_state(state, names)
+        leaves = StepLeaves(params, grads, state, names, self.name)
+        scalars = {name: state[name] for name in self.scalar_names}
+        new_step = step + 1
+        if not leaves.active:
+            new_state = {"step": new_step, **scalars}
+            new_state.update({n: leaves.rebuild(leaves.buffers[n], []) for n in names})
+            return leaves.rebuild(leaves.params, []), new_state
+        count_before = step.to(device=leaves.device, dtype=scalar_dtype(leaves.device))
+        hyper = {
+            name: _resolve_traced(getattr(self, name), count_before)
+            for name in _hyperparameter_names(type(self))
+        }
+        run = Run(
+            DIFFERENTIABLE,
+            LeafOps(foreach=False),
+            leaves.gather(leaves.params),
+            leaves.gather(leaves.grads),
+            {n: leaves.gather(leaves.buffers[n]) for n in names},
+            count_before + 1,
+            hyper,
+            scalars,
+            False,
+            new_step,
+        )
+        new_scalars = self._update(run)
+        new_state = {"step": new_step, **new_scalars}
+        new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
+        return leaves.rebuild(leaves.params, run.p), new_state
 
     def _update_run(self, run: Run) -> dict[str, Tensor]:
         """The update, with the kernel the run chose (fused, by chunks, or as it is)."""

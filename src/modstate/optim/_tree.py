@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from modstate._core.torch_facts import functorch_active
+from modstate._core.trees.paths import dotted
 from modstate._core.trees.ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.optim._lists import Leaves
 from modstate.tree._walk import leaves_with_paths
@@ -52,12 +53,84 @@ def read_number(value: Tensor) -> float | None:
     return value.item()
 
 
-def dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(key) for key in path) or "<root>"
-
-
 def _paths(tree: Any) -> list[str]:
+    if torch.compiler.is_compiling():
+        return TracedSpec(tree).paths
     return [dotted(p) for p in optree.tree_paths(tree, none_is_leaf=False)]
+
+
+_LEAF = "leaf"
+
+
+class TracedSpec:
+    """optree's ``PyTreeSpec`` (None an empty subtree) for the trees a step sees while
+    ``torch.compile`` traces it: Dynamo's optree support fails on None subtrees, which a step's
+    trees have (a frozen leaf, a masked optimizer's holes). Plain dicts, lists and tuples, walked
+    in their own order (dict insertion order, where optree sorts keys): the leaves then come in
+    module order, so a tie's first place is the first leaf seen."""
+
+    __slots__ = ("_node", "paths")
+
+    def __init__(self, tree: Any) -> None:
+        self.paths: list[str] = []
+        self._node = self._spec(tree, ())
+
+    def _spec(self, node: Any, keys: tuple[Any, ...]) -> Any:
+        if node is None:
+            return None
+        if isinstance(node, dict):
+            return (dict, tuple(node), [self._spec(v, (*keys, k)) for k, v in node.items()])
+        if type(node) in (list, tuple):
+            return (type(node), len(node), [self._spec(v, (*keys, i)) for i, v in enumerate(node)])
+        self.paths.append(dotted(keys))
+        return _LEAF
+
+    def flatten_up_to(self, tree: Any) -> list[Any]:
+        """The nodes of `tree` at this structure's leaves; ValueError where `tree` differs."""
+        found: list[Any] = []
+        self._up_to(self._node, tree, found)
+        return found
+
+    def _up_to(self, spec: Any, node: Any, found: list[Any]) -> None:
+        if spec is _LEAF:
+            found.append(node)
+        elif spec is None:
+            if node is not None:
+                raise ValueError("a leaf where the params hold none")
+        else:
+            kind, keys, children = spec
+            if kind is dict:
+                if not isinstance(node, dict) or tuple(node) != keys:
+                    raise ValueError("another structure")
+                for key, child in zip(keys, children, strict=True):
+                    self._up_to(child, node[key], found)
+            else:
+                if type(node) is not kind or len(node) != keys:
+                    raise ValueError("another structure")
+                for child, value in zip(children, node, strict=True):
+                    self._up_to(child, value, found)
+
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        """The tree of this structure holding `leaves` (in walk order)."""
+        return self._build(self._node, iter(leaves))
+
+    def _build(self, spec: Any, leaves: Any) -> Any:
+        if spec is _LEAF:
+            return next(leaves)
+        if spec is None:
+            return None
+        kind, keys, children = spec
+        if kind is dict:
+            return {key: self._build(c, leaves) for key, c in zip(keys, children, strict=True)}
+        return kind(self._build(child, leaves) for child in children)
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    """optree's flatten (None an empty subtree), or `TracedSpec`'s while compiling."""
+    if torch.compiler.is_compiling():
+        spec = TracedSpec(tree)
+        return spec.flatten_up_to(tree), spec
+    return optree.tree_flatten(tree, none_is_leaf=False)
 
 
 _FLOATING = frozenset(
@@ -77,7 +150,7 @@ def _not_float(function: str, path: str, leaf: Tensor) -> TypeError:
 
 def flatten_params(params: Any, function: str) -> tuple[list[Tensor], optree.PyTreeSpec]:
     """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
-    leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
+    leaves, treedef = _flatten(params)
     for index, leaf in enumerate(leaves):
         if type(leaf) is Tensor and leaf.dtype in _FLOATING:
             continue  # the common case, decided without the slower checks below
@@ -123,6 +196,8 @@ def init_buffers(
 def _walk_order(params: Any, leaves: list[Tensor]) -> list[int]:
     """The positions of optree's ``leaves`` (sorted dict keys) in the tree's walk order (dict
     insertion order, which is module order for trees from ``extract``)."""
+    if torch.compiler.is_compiling():
+        return list(range(len(leaves)))  # TracedSpec walks in this order already
     rank = {path: i for i, (path, _) in enumerate(leaves_with_paths(params))}
     paths = _paths(params)
     return sorted(range(len(leaves)), key=lambda index: rank[paths[index]])

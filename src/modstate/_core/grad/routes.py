@@ -55,7 +55,9 @@ def grad(fn: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False) ->
     with the ensemble's kernels. Inside other transforms (``torch.func.grad(ms.grad(f))``), for
     a leaf the members share (per-sample gradients), or when a differentiated leaf already
     requires grad (meta-learning through an outer loop), this is ``torch.func.grad``, so
-    higher-order gradients work as with it.
+    higher-order gradients work as with it. While ``torch.compile`` traces it, this is
+    ``torch.func.grad`` too (Dynamo traces it into the graph, where autograd's engine call
+    would end the graph), with the results detached as plain autograd's are.
 
     Trees are read as everywhere in modstate: None is an empty subtree (its gradient is None),
     a tensor at several paths (a tied weight) is one input whose whole gradient stands at each
@@ -146,6 +148,12 @@ def _grad_and_value(
             grads, value = found
         elif transformed or any(tree.requires_grad for tree in trees):
             grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
+        elif torch.compiler.is_compiling():
+            # torch.func's grad, which Dynamo traces into the graph (it skips autograd.grad's
+            # engine call by design, which would end the graph); detached, as plain autograd's
+            # results are: tensors that fn closes over (a module's own Parameters) are constants.
+            grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
+            grads, value = [detached(g) for g in grads], detached(value)
         else:
             grads, value = _with_autograd(name, fn, positions, has_aux, trees, args, kwargs)
         return (tuple(grads) if isinstance(argnums, tuple) else grads[0]), value

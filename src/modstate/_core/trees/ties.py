@@ -22,11 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
 def has_ties(leaves: Sequence[Any]) -> bool:
     """Whether some object stands at two places of ``leaves``."""
+    if torch.compiler.is_compiling():
+        return bool(_traced_pairs(leaves, range(len(leaves))))
     return len(set(map(id, leaves))) != len(leaves)
 
 
@@ -36,6 +39,8 @@ def tie_pairs(leaves: Sequence[Any], order: Sequence[int] | None = None) -> list
     Places are visited in ``order`` (default: as listed); give it when ``leaves`` are not in the
     tree's walk order (optree sorts dict keys; a tie's first path is the first in module order).
     """
+    if torch.compiler.is_compiling():
+        return _traced_pairs(leaves, order if order is not None else range(len(leaves)))
     if not has_ties(leaves):
         return []
     first: dict[int, int] = {}
@@ -44,6 +49,23 @@ def tie_pairs(leaves: Sequence[Any], order: Sequence[int] | None = None) -> list
         seen = first.setdefault(id(leaves[index]), index)
         if seen != index:
             pairs.append((index, seen))
+    return pairs
+
+
+def _traced_pairs(leaves: Sequence[Any], order: Sequence[int]) -> list[tuple[int, int]]:
+    """`tie_pairs` while ``torch.compile`` traces: Dynamo guards on the ``id()`` of an input, so
+    a step whose params are new tensors each time would recompile every step; ``is`` between two
+    inputs is decided by the aliasing guards the graph has anyway. Quadratic, at trace time only."""
+    pairs: list[tuple[int, int]] = []
+    firsts: list[int] = []
+    for index in order:
+        leaf = leaves[index]
+        for seen in firsts:
+            if leaves[seen] is leaf:
+                pairs.append((index, seen))
+                break
+        else:
+            firsts.append(index)
     return pairs
 
 
@@ -56,10 +78,17 @@ def retie(out: list[Any], pairs: list[tuple[int, int]]) -> None:
 def keeping_ties(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` for a leaf-by-leaf walk, computed once per distinct tensor (first place decides)."""
     done: dict[int, tuple[Tensor, Any]] = {}
+    traced: list[tuple[Tensor, Any]] = []  # the same, while torch.compile traces (no id())
 
     def run(leaf: Any, *others: Any) -> Any:
         if not isinstance(leaf, Tensor):
             return fn(leaf, *others)
+        if torch.compiler.is_compiling():
+            for seen, result in traced:
+                if seen is leaf:
+                    return result
+            traced.append((leaf, fn(leaf, *others)))
+            return traced[-1][1]
         hit = done.get(id(leaf))
         if hit is not None:
             return hit[1]
