@@ -91,12 +91,20 @@ def call(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any) -> Any:
     >>> grads["weight"].shape
     torch.Size([1, 3])
     """
+    return _stateless("call", module, tree, args, kwargs, strict=True)
+
+
+def _stateless(
+    name: str, module: nn.Module, tree: TreeArg, args: tuple, kwargs: dict, *, strict: bool
+) -> Any:
+    """`call` (strict) and `call_partial` (lenient): check and plan the swap for the calling
+    thread, then run the module with it."""
     if torch.compiler.is_compiling():
-        return call_while_compiling(module, tree, args, kwargs, strict=True)
+        return call_while_compiling(module, tree, args, kwargs, strict=strict)
     try:
-        swap = prepare(module, tree, True, compute=True, private=True)
+        swap = prepare(module, tree, strict, compute=True, private=True)
     except PathError as error:
-        raise error.within("call", _CALL_FIXES.get(type(error))) from None
+        raise error.within(name, _CALL_FIXES.get(type(error)) if strict else None) from None
     return run_swapped(module, swap, args, kwargs)
 
 
@@ -143,17 +151,7 @@ def call_partial(module: nn.Module, tree: TreeArg, /, *args: Any, **kwargs: Any)
     >>> out.shape
     torch.Size([2, 4])
     """
-    if torch.compiler.is_compiling():
-        return call_while_compiling(module, tree, args, kwargs, strict=False)
-    try:
-        swap = prepare(module, tree, False, compute=True, private=True)
-    except PathError as error:
-        raise error.within("call_partial") from None
-    swap.apply()
-    try:
-        return module(*args, **kwargs)
-    finally:
-        swap.undo()
+    return _stateless("call_partial", module, tree, args, kwargs, strict=False)
 
 
 def call_while_compiling(

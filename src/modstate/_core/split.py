@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from modstate._core.extract import detached, extract
+from modstate._core.torch_facts import is_trainable
 from modstate._core.trees.flat import iter_leaves, unflatten
 from modstate._core.types import Tree
 
@@ -54,12 +55,3 @@ def split(module: nn.Module, *, detach: bool = False) -> tuple[Tree, Tree]:
     for path, leaf in iter_leaves(tree):
         (params if path in trainable else state)[path] = leaf
     return unflatten(params), unflatten(state)
-
-
-def is_trainable(leaf: object) -> bool:
-    """A tensor that requires grad and is floating point or complex: what ``split`` trains."""
-    return (
-        isinstance(leaf, Tensor)
-        and leaf.requires_grad
-        and (leaf.is_floating_point() or leaf.is_complex())
-    )

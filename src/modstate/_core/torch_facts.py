@@ -9,6 +9,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# The dtypes that autograd differentiates and optimizers step: floating point and complex. (A
+# set, for the common case's one lookup; `is_trainable` says it in full for any tensor.)
+DIFFERENTIABLE_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
+
+
+def is_trainable(leaf: object) -> bool:
+    """A tensor that requires grad and is floating point or complex: what ``split`` trains."""
+    return (
+        isinstance(leaf, Tensor)
+        and leaf.requires_grad
+        and (leaf.is_floating_point() or leaf.is_complex())
+    )
+
 
 def unwrapped(tensor: Tensor) -> Tensor:
     """The tensor inside every ``torch.func`` wrapper (``grad``, ``vmap``) around ``tensor``."""

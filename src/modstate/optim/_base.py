@@ -59,6 +59,38 @@ def _resolve(value: Any, count_before: float | Tensor) -> Any:
     return value
 
 
+def _gathered(
+    kernel: str,
+    ops: LeafOps,
+    leaves: StepLeaves,
+    names: tuple[str, ...],
+    count: float | Tensor,
+    hyper: dict[str, Any],
+    scalars: dict[str, Tensor],
+    donate: bool,
+    new_step: Tensor,
+) -> Run:
+    """The `Run` of a step over the leaves it updates."""
+    buffers = {n: leaves.gather(leaves.buffers[n]) for n in names}
+    p, g = leaves.gather(leaves.params), leaves.gather(leaves.grads)
+    return Run(kernel, ops, p, g, buffers, count, hyper, scalars, donate, new_step)
+
+
+def _results(
+    leaves: StepLeaves,
+    names: tuple[str, ...],
+    new_step: Tensor,
+    new_scalars: dict[str, Tensor],
+    run: Run | None = None,
+) -> tuple[Tree, dict[str, Any]]:
+    """``(new_params, new_state)``: the run's updated leaves (none without a run) put back."""
+    new_state: dict[str, Any] = {"step": new_step, **new_scalars}
+    new_state.update(
+        {n: leaves.rebuild(leaves.buffers[n], run.buffers[n] if run else []) for n in names}
+    )
+    return leaves.rebuild(leaves.params, run.p if run else []), new_state
+
+
 def _resolve_traced(value: Any, count_before: Tensor) -> Any:
     """`_resolve` while tracing: a schedule is evaluated on the tensor count, and nothing is
     read into a number (a read would end the graph)."""
@@ -76,6 +108,12 @@ class ElementwiseOptimizer:
 
     Subclasses are frozen dataclasses of hyperparameters; build them with the factories
     (`modstate.optim.adam`, ...), which carry `torch.optim`'s argument names and defaults.
+
+    The object also keeps two caches beside its fields, set with ``object.__setattr__`` (the
+    dataclass is frozen): ``_repeat``, what the last eager step found, which the next step of a
+    loop handed the very trees it returned may reuse; and ``_constant``, the hyperparameters when
+    they are all numbers. They are not fields: equality, ``repr``, copies and pickles leave them
+    out (`__getstate__`), and a step under ``torch.compile`` neither reads nor writes them.
     """
 
     name: ClassVar[str] = "optimizer"
@@ -185,9 +223,7 @@ class ElementwiseOptimizer:
         leaves = StepLeaves(params, grads, state, names, self.name)
         scalars = {name: state[name] for name in self.scalar_names}
         if not leaves.active:
-            new_state = {"step": step + 1, **scalars}
-            new_state.update({n: leaves.rebuild(leaves.buffers[n], []) for n in names})
-            return leaves.rebuild(leaves.params, []), new_state
+            return _results(leaves, names, step + 1, scalars)
 
         before = read_number(step)
         count_before: float | Tensor = (
@@ -213,22 +249,12 @@ class ElementwiseOptimizer:
         # the very single-tensor ops (elsewhere they are other kernels, with other roundings).
         eager = kernel != DIFFERENTIABLE and (kernel != SINGLE or all(p.is_cpu for p in active))
         new_step = step.add_(one()) if donate and eager else step + one()
-        run = Run(
-            kernel,
-            LeafOps(foreach=eager, multi_tensor=kernel == FOREACH),
-            leaves.gather(leaves.params),
-            leaves.gather(leaves.grads),
-            {n: leaves.gather(leaves.buffers[n]) for n in names},
-            count_before + 1,
-            hyper,
-            scalars,
-            donate,
-            new_step,
+        ops = LeafOps(foreach=eager, multi_tensor=kernel == FOREACH)
+        run = _gathered(
+            kernel, ops, leaves, names, count_before + 1, hyper, scalars, donate, new_step
         )
         new_scalars = self._update_run(run)
-        new_state = {"step": new_step, **new_scalars}
-        new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
-        new_params = leaves.rebuild(leaves.params, run.p)
+        new_params, new_state = _results(leaves, names, new_step, new_scalars, run)
         # Remember what this step found, for the next step of the loop (`_repeat`).
         kept = None
         if run.ops.foreach and leaves.simple and self._constant_hyperparameters():
@@ -254,30 +280,17 @@ class ElementwiseOptimizer:
         scalars = {name: state[name] for name in self.scalar_names}
         new_step = step + 1
         if not leaves.active:
-            new_state = {"step": new_step, **scalars}
-            new_state.update({n: leaves.rebuild(leaves.buffers[n], []) for n in names})
-            return leaves.rebuild(leaves.params, []), new_state
+            return _results(leaves, names, new_step, scalars)
         count_before = step.to(device=leaves.device, dtype=scalar_dtype(leaves.device))
         hyper = {
             name: _resolve_traced(getattr(self, name), count_before)
             for name in _hyperparameter_names(type(self))
         }
-        run = Run(
-            DIFFERENTIABLE,
-            LeafOps(foreach=False),
-            leaves.gather(leaves.params),
-            leaves.gather(leaves.grads),
-            {n: leaves.gather(leaves.buffers[n]) for n in names},
-            count_before + 1,
-            hyper,
-            scalars,
-            False,
-            new_step,
+        ops = LeafOps(foreach=False)
+        run = _gathered(
+            DIFFERENTIABLE, ops, leaves, names, count_before + 1, hyper, scalars, False, new_step
         )
-        new_scalars = self._update(run)
-        new_state = {"step": new_step, **new_scalars}
-        new_state.update({n: leaves.rebuild(leaves.buffers[n], run.buffers[n]) for n in names})
-        return leaves.rebuild(leaves.params, run.p), new_state
+        return _results(leaves, names, new_step, self._update(run), run)
 
     def _update_run(self, run: Run) -> dict[str, Tensor]:
         """The update, with the kernel the run chose (fused, by chunks, or as it is)."""

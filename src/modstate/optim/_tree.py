@@ -21,7 +21,7 @@ import optree
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import functorch_active
+from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES, functorch_active
 from modstate._core.trees.paths import dotted
 from modstate._core.trees.ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.optim._lists import Leaves
@@ -133,11 +133,6 @@ def _flatten(tree: Any) -> tuple[list[Any], Any]:
     return optree.tree_flatten(tree, none_is_leaf=False)
 
 
-_FLOATING = frozenset(
-    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
-)
-
-
 def _not_float(function: str, path: str, leaf: Tensor) -> TypeError:
     return TypeError(
         f"{function}: '{path}': a {leaf.dtype} leaf; an optimizer steps floating-point (or "
@@ -152,7 +147,7 @@ def flatten_params(params: Any, function: str) -> tuple[list[Tensor], optree.PyT
     """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
     leaves, treedef = _flatten(params)
     for index, leaf in enumerate(leaves):
-        if type(leaf) is Tensor and leaf.dtype in _FLOATING:
+        if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
             continue  # the common case, decided without the slower checks below
         if not isinstance(leaf, Tensor):
             raise TypeError(

@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import Tensor
 
+from modstate._core.torch_facts import is_trainable as trainable
+
 
 def is_float(leaf: Any) -> bool:
     """Whether ``leaf`` is a floating-point or complex tensor.
@@ -53,4 +55,4 @@ def is_trainable(leaf: Any) -> bool:
         >>> ms.tree.is_trainable(torch.zeros(2)), ms.tree.is_trainable(torch.tensor(3))
         (False, False)
     """
-    return isinstance(leaf, Tensor) and leaf.requires_grad and is_float(leaf)
+    return trainable(leaf)  # modstate.split's rule, stated once in _core

@@ -76,7 +76,9 @@ def _copy_containers(node: Any) -> Any:
     return map_leaves(lambda leaf: leaf, node)
 
 
-def _filter(node: Any, path: str, patterns: tuple[str, ...], keep_matches: bool) -> tuple[Any, bool]:
+def _filter(
+    node: Any, path: str, patterns: tuple[str, ...], keep_matches: bool
+) -> tuple[Any, bool]:
     """``(filtered node, whether it is now empty although it held leaves)``."""
     matched = glob_matches(patterns, path) if path else False
     if is_leaf(node):

@@ -16,6 +16,8 @@ import optree
 import torch
 from torch import Tensor
 
+from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES
+from modstate._core.trees.paths import dotted
 from modstate._core.trees.readers import TreeReader
 
 
@@ -39,7 +41,7 @@ class Differentiated:
         else:
             self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
         for index, leaf in enumerate(self.leaves):
-            if type(leaf) is Tensor and leaf.dtype in _DIFFERENTIABLE:
+            if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
                 continue  # the common case, decided without the slower checks below
             if not isinstance(leaf, Tensor):
                 raise ValueError(
@@ -65,8 +67,7 @@ class Differentiated:
             paths: list[str] = []
             _plain_paths(self.tree, "", paths)
             return paths[index]
-        path = optree.tree_paths(self.tree, none_is_leaf=False)[index]
-        return ".".join(str(key) for key in path) or "<root>"
+        return dotted(optree.tree_paths(self.tree, none_is_leaf=False)[index])
 
     def rebuild(self, leaves: Sequence[Any]) -> Any:
         if self.reader is not None:
@@ -160,11 +161,6 @@ def _plain_paths(node: Any, prefix: str, paths: list[str]) -> None:
         return
     for key, item in items:
         _plain_paths(item, f"{prefix}{key}.", paths)
-
-
-_DIFFERENTIABLE = frozenset(
-    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
-)
 
 
 def split_output(name: str, output: Any, has_aux: bool) -> tuple[Any, Any]:

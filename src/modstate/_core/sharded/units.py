@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from modstate._core.sharded.gathers import Gathered, gather
-from modstate._core.torch_facts import is_dtensor
+from modstate._core.torch_facts import is_dtensor, unwrapped
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -106,7 +106,7 @@ class _Unit:
         dtypes: list[Any] = []
         reduce_dtypes: list[Any] = []
         for value in self.placeholders:
-            if is_dtensor(_innermost(value)):
+            if isinstance(value, Tensor) and is_dtensor(unwrapped(value)):
                 k = sources.get(id(value))
                 if k is None:
                     k = sources[id(value)] = len(distinct)
@@ -277,14 +277,8 @@ def _tracked(tensor: Tensor) -> bool:
         tensor = torch._C._functorch.get_unwrapped(tensor)
 
 
-def _innermost(value: Any) -> Any:
-    while isinstance(value, Tensor) and _is_wrapped(value):
-        value = torch._C._functorch.get_unwrapped(value)
-    return value
-
-
 def _storage(tensor: Tensor) -> int:
-    inner = _innermost(tensor)
+    inner = unwrapped(tensor)
     try:
         return inner.untyped_storage().data_ptr() if inner.numel() else -1
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
