@@ -10,6 +10,7 @@ eager step's. One case per family runs under inductor as well.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -272,3 +273,44 @@ def test_an_ensemble_forward_compiles_once() -> None:
         x, _ = batch(i)
         torch.testing.assert_close(compiled(x), ens(x), rtol=1e-6, atol=1e-7)
     assert counter.frame_count == 1
+
+
+WRONG_TREES = {
+    "an unknown path": (
+        lambda t: {**t, "5": {"weight": torch.ones(1)}},
+        "'5.weight': unknown path",
+    ),
+    "a missing layer": (lambda t: {"0": t["0"]}, "'2.weight': the tree has no tensor there"),
+    "another shape": (
+        lambda t: {**t, "2": {**t["2"], "weight": torch.ones(2, 5)}},
+        "'2.weight': shape (2, 5) in the tree, (2, 16) in the module",
+    ),
+    "another dtype": (
+        lambda t: {**t, "2": {**t["2"], "weight": t["2"]["weight"].double()}},
+        "'2.weight': dtype torch.float64 in the tree, torch.float32 in the module",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", list(WRONG_TREES))
+def test_call_names_the_path_while_compiling(mistake: str) -> None:
+    model = mlp()
+    wrong, expected = WRONG_TREES[mistake]
+    tree = wrong(ms.extract(model, detach=True))
+    x, _ = batch(0)
+    message = re.escape(f"call: {expected}")
+
+    def forward(t: Any) -> torch.Tensor:
+        return ms.call(model, t, x)
+
+    with pytest.raises(Exception, match=message) as eager:
+        forward(tree)
+    # fullgraph: Dynamo reports the builtin error the trace raised, with modstate's message
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        torch.compile(forward, backend="eager", fullgraph=True)(tree)
+    # without fullgraph the frame falls back to eager, which raises modstate's own error (Dynamo
+    # then traces the engine's functions one by one: recompiles are expected here)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        with pytest.raises(type(eager.value), match=message):
+            torch.compile(forward, backend="eager")(tree)

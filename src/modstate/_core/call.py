@@ -10,6 +10,7 @@ from torch import nn
 from modstate._core.errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
 from modstate._core.swap.prepare import prepare
 from modstate._core.swap.swaps import Swap
+from modstate._core.swap.traced import BUILTIN, Problem, engine_error, problem_while_tracing
 from modstate._core.torch_facts import write_back
 from modstate._core.trees.flat import flatten, unflatten
 from modstate._core.types import TreeArg
@@ -159,12 +160,16 @@ def call_while_compiling(
 ) -> Any:
     """``call`` as Dynamo can trace it (``torch.func.functional_call``), holes dropped."""
     # Dynamo traces torch.func.functional_call natively; the swap engine's C-level list passes
-    # are opaque to it. functional_call (strict) refuses unknown and missing keys.
+    # are opaque to it. The tree is checked first, at trace time, with the engine's messages.
     components = list(tree) if isinstance(tree, (tuple, list)) else [tree]
     flats = [
         {path: leaf for path, leaf in flatten(component).items() if leaf is not None}
         for component in components
     ]
+    merged = {path: leaf for flat in flats for path, leaf in flat.items()}
+    problem = problem_while_tracing(module, merged, strict)
+    if problem is not None:
+        raise BUILTIN[problem[0]](_error_text("call" if strict else "call_partial", problem))
     given = [dict(flat) for flat in flats]
     out = torch.func.functional_call(
         module, tuple(flats), args, kwargs, tie_weights=True, strict=strict
@@ -174,3 +179,12 @@ def call_while_compiling(
         if changed and isinstance(component, dict):
             write_back(component, unflatten(changed))
     return out
+
+
+# Run outside the trace on its constant arguments (modstate's errors cannot be built inside one);
+# the message is a constant of the trace.
+@torch.compiler.assume_constant_result
+def _error_text(name: str, problem: Problem) -> str:
+    """The message `call` (or `call_partial`) gives for ``problem`` in eager."""
+    error = engine_error(problem)
+    return str(error.within(name, _CALL_FIXES.get(type(error)) if name == "call" else None))
