@@ -66,7 +66,7 @@ def _integers_kept(
                 raise _floated(
                     leaf, f"{op} with a fractional alpha ({alpha})", "floating-point", fix
                 )
-            if isinstance(other, (Tensor, numbers.Number)):
+            if isinstance(other, (Tensor, int, float, complex)):
                 result = torch.result_type(leaf, other)
                 if result.is_floating_point or result.is_complex:
                     raise _floated(leaf, op, str(result), fix)
