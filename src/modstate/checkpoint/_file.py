@@ -244,7 +244,7 @@ def _tuple_places(value: Any, where: list[str | int]) -> list[list[str | int]]:
 
 def _with_tuples(name: str, path: str, value: Any, places: list[list[str | int]]) -> Any:
     """``value`` read from JSON with the lists at ``places`` turned back into tuples."""
-    wanted = {tuple(place) for place in places}
+    wanted: set[tuple[str | int, ...]] = {tuple(place) for place in places}
     found: set[tuple[str | int, ...]] = set()
 
     def rebuilt(node: Any, where: tuple[str | int, ...]) -> Any:
@@ -262,7 +262,7 @@ def _with_tuples(name: str, path: str, value: Any, places: list[list[str | int]]
     if found != wanted:
         raise ValueError(
             f"checkpoint.load: {name!r}: a corrupted modstate record in its header ({path!r}: "
-            f"the record places a tuple at {list(min(wanted - found, key=len))}, where the "
+            f"the record places a tuple at {list(next(iter(wanted - found)))}, where the "
             "value holds no list); load another checkpoint"
         )
     return result
