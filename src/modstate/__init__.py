@@ -24,6 +24,7 @@ from modstate._core import (
 )
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 from modstate.ensemble._members_apply import apply
+from modstate.ensemble._update_bn import update_bn
 
 __version__ = "0.1.0"
 
@@ -48,5 +49,6 @@ __all__ = [
     "tree",
     "unflatten",
     "unstack",
+    "update_bn",
     "vmap_call",
 ]
