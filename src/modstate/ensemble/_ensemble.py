@@ -63,8 +63,13 @@ class Ensemble(nn.Module):
         randomness: ``torch.vmap``'s, with its default ``"error"``: a random op in a member
             (dropout in training mode) is refused until you choose ``"different"`` (a draw per
             member, like a loop over the models) or ``"same"`` (one draw shared by all).
+            ``nn.Dropout``'s masks depend only on the random state and the member, not on the
+            route (``fast``, the plan): the mask ``F.dropout`` draws on the CPU for the
+            activations laid out ``(members, *activation shape)``, row i for member i (with
+            ``"same"``, one mask of a member's shape).
         fast: False runs the whole model under ``torch.vmap`` without batched kernels (the
-            reference path, for comparison).
+            reference path, for comparison; ``nn.Dropout`` still draws its masks members
+            first, as every route does).
         mesh: None (default) for a one-process ensemble; a 1-D ``DeviceMesh`` spreads the
             members over its ranks: the stacked tensors are ``DTensor`` s sharded on the member
             dim, each rank stores and runs only its members, and ``forward`` returns outputs
