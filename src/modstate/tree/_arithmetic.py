@@ -18,12 +18,13 @@ from modstate.tree._walk import REFUSE, map_leaves, map_leaves_n
 _SCALAR_TYPES = (int, float, bool)
 
 
-def _integers_kept_fix(call: str) -> str:
-    """The fix for an integer leaf that ``call`` (``"mul(floats, other)"``) would float."""
+def _integers_kept_fix(op: str, arguments: str) -> str:
+    """The fix for an integer leaf that ``op`` would float: ``op`` on the floating-point half
+    (``arguments`` after ``floats``), combined with the rest."""
     return (
-        f"apply {call.partition('(')[0]} to the floating-point leaves only and keep the others: "
-        "floats, ints = ms.tree.partition(tree, ms.tree.is_float); "
-        f"ms.tree.combine(ms.tree.{call}, ints)"
+        f"apply {op} to the floating-point leaves only and keep the others: floats, ints = "
+        "ms.tree.partition(tree, ms.tree.is_float); "
+        f"ms.tree.combine(ms.tree.{op}(floats, {arguments}), ints)"
     )
 
 
@@ -47,7 +48,7 @@ def _floated(leaf: Tensor, by: str, result: str, fix: str) -> TypeError:
 
 
 def _integers_kept(
-    op: str, leaf_op: Callable[[Tensor, Any], Tensor], operand_is_tree: bool, alpha: Any = 1
+    op: str, leaf_op: Callable[[Tensor, Any], Tensor], operand_is_tree: bool, alpha: Any = None
 ) -> Callable[[Tensor, Any], Tensor]:
     """``leaf_op``, refusing an integer (or bool) leaf that the op would make floating-point.
 
@@ -55,10 +56,10 @@ def _integers_kept(
     ``num_batches_tracked`` into a float (and a fractional ``alpha`` on an integer tensor is an
     error in torch): every such leaf gets one TypeError, with the fix that keeps it integer.
     """
-    call = f"{op}(floats, {_operand('other', operand_is_tree)}" + (
-        ", alpha=alpha)" if op in ("add", "sub") and alpha is not None else ")"
+    other_argument = _operand("other", operand_is_tree)
+    fix = _integers_kept_fix(
+        op, other_argument if alpha is None else f"{other_argument}, alpha=alpha"
     )
-    fix = _integers_kept_fix(call)
 
     def checked(leaf: Tensor, other: Any) -> Tensor:
         if isinstance(leaf, Tensor) and not is_float(leaf):
@@ -90,10 +91,10 @@ def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
 
     Raises:
         ValueError: ``other`` is a tree of another structure (naming the first differing place).
-        TypeError: A leaf is not a tensor (naming its path).
-        TypeError: An integer or bool leaf would become floating-point (a fractional ``other``
-            or ``alpha``), naming its path and the fix: `partition` the tree with
-            [`is_float`][modstate.tree.is_float], then [`combine`][modstate.tree.combine].
+        TypeError: A leaf is not a tensor, or an integer or bool leaf would become
+            floating-point (a fractional ``other`` or ``alpha``); the message names its path
+            and the fix: `partition` the tree with [`is_float`][modstate.tree.is_float], then
+            [`combine`][modstate.tree.combine].
         RuntimeError: torch refuses the op at a leaf (naming its path).
 
     Example:
@@ -200,7 +201,7 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
         names.append("weight")
 
     fix = _integers_kept_fix(
-        f"lerp(floats, {_operand('end', end_is_tree)}, {_operand('weight', weight_is_tree)})"
+        "lerp", f"{_operand('end', end_is_tree)}, {_operand('weight', weight_is_tree)}"
     )
 
     def leaf_lerp(leaf: Tensor, *matching: Any) -> Tensor:
