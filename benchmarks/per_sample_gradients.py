@@ -17,7 +17,8 @@ Models: a small CNN (two convolutions, 1x28x28 inputs, batch 64) and a small tra
 a language-model loss). Time: ``_timing.interleave`` (warmed up, rounds interleaved; median and
 min, milliseconds per batch). Memory: each way in a fresh process, the peak resident memory
 (``VmHWM``, reset just before) minus the resident memory before the call, as
-``checkpoint_memory.py`` reads it (Linux only). One thread (``torch.set_num_threads(1)``), so
+``checkpoint_memory.py`` reads it, the median of three calls after a warm-up, the allocator's
+free memory given back before each (Linux and glibc only). One thread (``torch.set_num_threads(1)``), so
 that the figures do not depend on the machine's other load as much.
 """
 
@@ -136,21 +137,30 @@ def timing(name: str, rounds: int) -> dict[str, dict[str, float]]:
     return {way: summarize(values) for way, values in samples.items()}
 
 
-def peak_rise(name: str, way: str) -> int:
-    """In this process: the peak memory rise of one call (bytes), after a warm-up call."""
+def peak_rise(name: str, way: str, calls: int = 3) -> int:
+    """In this process: the median peak memory rise of ``calls`` calls (bytes), after a warm-up
+    call. Before each, the C allocator gives its free memory back to the system
+    (``malloc_trim``), so that a call's new pages show instead of being reused unseen."""
+    import ctypes
+    import statistics
+
     import torch
 
     from checkpoint_memory import reset_peak, status
 
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
     torch.set_num_threads(1)
     made = ways(name)
     made[way]()  # first-call costs (plans, caches) are not per-sample-gradient memory
-    before = status()["VmRSS"]
-    reset_peak()
-    out = made[way]()
-    rise = status()["VmHWM"] - before
-    del out
-    return rise
+    rises = []
+    for _ in range(calls):
+        trim(0)
+        before = status()["VmRSS"]
+        reset_peak()
+        out = made[way]()
+        rises.append(status()["VmHWM"] - before)
+        del out
+    return int(statistics.median(rises))
 
 
 def memory(name: str) -> dict[str, int]:
