@@ -15,18 +15,17 @@ tensors, and are checked against each other (within 1e-5) before anything is tim
 Models: a small CNN (two convolutions, 1x28x28 inputs, batch 64) and a small transformer
 (embedding 64, two ``TransformerEncoderLayer`` s, dropout 0, sequences of 32 tokens, batch 16,
 a language-model loss). Time: ``_timing.interleave`` (warmed up, rounds interleaved; median and
-min, milliseconds per batch). Memory: each way in a fresh process, the peak resident memory
-(``VmHWM``, reset just before) minus the resident memory before the call, as
-``checkpoint_memory.py`` reads it, the median of three calls after a warm-up, the allocator's
-free memory given back before each (Linux and glibc only). One thread (``torch.set_num_threads(1)``), so
-that the figures do not depend on the machine's other load as much.
+min, milliseconds per batch). Memory: the peak of the tensor memory allocated during one call
+(after a warm-up call), from ``torch.profiler``'s record of every allocation and free
+(``profile_memory=True``): exact, unlike the process's resident memory, which the C
+allocator's reuse of freed pages blurs. One thread (``torch.set_num_threads(1)``), so that the
+figures do not depend on the machine's other load as much.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -137,43 +136,42 @@ def timing(name: str, rounds: int) -> dict[str, dict[str, float]]:
     return {way: summarize(values) for way, values in samples.items()}
 
 
-def peak_rise(name: str, way: str, calls: int = 3) -> int:
-    """In this process: the median peak memory rise of ``calls`` calls (bytes), after a warm-up
-    call. Before each, the C allocator gives its free memory back to the system
-    (``malloc_trim``), so that a call's new pages show instead of being reused unseen."""
-    import ctypes
-    import statistics
+def peak_allocated(fn) -> int:
+    """The peak of the bytes that torch's allocator holds for tensors made during one call of
+    ``fn``, as ``torch.profiler`` (``profile_memory=True``) records every allocation and free."""
+    import json
+    import os
+    import tempfile
 
-    import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    from checkpoint_memory import reset_peak, status
-
-    trim = ctypes.CDLL("libc.so.6").malloc_trim
-    torch.set_num_threads(1)
-    made = ways(name)
-    made[way]()  # first-call costs (plans, caches) are not per-sample-gradient memory
-    rises = []
-    for _ in range(calls):
-        trim(0)
-        before = status()["VmRSS"]
-        reset_peak()
-        out = made[way]()
-        rises.append(status()["VmHWM"] - before)
-        del out
-    return int(statistics.median(rises))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        out = fn()
+    handle, path = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+    try:
+        recorded.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace)["traceEvents"]
+    finally:
+        os.remove(path)
+    del out
+    memory = [e["args"] for e in events if e.get("name") == "[memory]"]
+    if not memory:
+        return 0
+    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]  # held before the first event
+    return max(m["Total Allocated"] for m in memory) - start
 
 
 def memory(name: str) -> dict[str, int]:
+    import torch
+
+    torch.set_num_threads(1)
+    made = ways(name)
     figures = {}
-    for way in WAYS:
-        done = subprocess.run(
-            [sys.executable, __file__, "--peak", name, way], capture_output=True, text=True
-        )
-        if done.returncode:
-            raise RuntimeError(
-                f"{name} {way}: exit status {done.returncode}\n{done.stderr[-3000:]}"
-            )
-        figures[way] = int(done.stdout.splitlines()[-1])
+    for way, fn in made.items():
+        fn()  # first-call costs (plans, caches) are not per-sample-gradient memory
+        figures[way] = peak_allocated(fn)
     return figures
 
 
@@ -182,11 +180,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=MODELS)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--peak", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.peak:
-        print(peak_rise(*args.peak))
-        return
     figures = {
         name: {"time": timing(name, args.rounds), "peak": memory(name)} for name in args.models
     }
@@ -196,7 +190,7 @@ def main() -> None:
     for name, result in figures.items():
         base_time = result["time"]["torch.func"]["median"]
         base_peak = result["peak"]["torch.func"]
-        print(f"{name}: ms per batch (median, min), peak memory rise, each vs torch.func")
+        print(f"{name}: ms per batch (median, min), peak tensor memory, each vs torch.func")
         for way in WAYS:
             t, peak = result["time"][way], result["peak"][way]
             print(
