@@ -144,3 +144,32 @@ def test_a_state_without_the_statistics_names_the_path_and_the_fix_works():
     params, state = ms.split(model)  # the fix the message names
     new_state = ms.update_bn(model, params, state, loader(), progress=False)
     assert int(new_state["1"]["num_batches_tracked"]) == 4
+
+
+class Uncopyable(nn.Sequential):
+    """Refuses deep copies, as FSDP2's fully_shard modules do; fails on a batch of 3 rows."""
+
+    def __deepcopy__(self, memo):
+        raise AssertionError("no deepcopy")
+
+    def forward(self, x):
+        if len(x) == 3:
+            raise RuntimeError("a bad batch")
+        return super().forward(x)
+
+
+def test_a_module_that_cannot_be_copied_runs_the_passes_itself_and_is_put_back():
+    torch.manual_seed(0)
+    model = Uncopyable(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    reference = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    reference.load_state_dict(model.state_dict())
+    batches = [torch.randn(8, 3) for _ in range(3)]
+    params, state = ms.split(model, detach=True)
+    new_state = ms.update_bn(model, params, state, batches, progress=False)
+    swa_utils.update_bn(batches, reference)
+    for path, leaf in statistics(new_state).items():
+        assert torch.equal(leaf, reference.state_dict()[path]), path
+    assert not model.training and model[1].momentum == 0.1
+    with pytest.raises(RuntimeError, match="a bad batch"):  # put back after an error too
+        ms.update_bn(model, params, state, [torch.randn(8, 3), torch.randn(3, 3)])
+    assert not model.training and not model[1].training and model[1].momentum == 0.1

@@ -10,8 +10,9 @@ its tensors, so the module, ``params`` and ``state`` stay as they were.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +46,10 @@ def update_bn(
     agree with a loop over the members). ``module``, ``params`` and ``state`` are not changed:
     the passes run through [`modstate.apply`][modstate.apply] on a copy of ``module`` that
     shares its tensors. Other buffers that ``forward`` changes in train mode change as they would under
-    ``swa_utils``; without a BatchNorm, ``state`` comes back as it is and no batch is read.
+    ``swa_utils``; without a BatchNorm, ``state`` comes back as it is and no batch is read. A
+    module that cannot be copied (one sharded with FSDP2's ``fully_shard``, whose trees are
+    DTensors) runs the passes itself: its BatchNorms' ``momentum`` and its training modes are
+    set for them and put back after, so no other thread may call it meanwhile.
 
     On an [`Ensemble`][modstate.Ensemble] (``params, state = ms.split(ensemble)``) every member
     gets statistics of its own, over the same batches, as ``swa_utils`` would give each member
@@ -80,8 +84,7 @@ def update_bn(
     if not norms:
         return state
     fresh = _reset(state, norms)
-    runner = _cumulative_copy(module)
-    with torch.no_grad():
+    with _cumulative(module) as runner, torch.no_grad():
         for batch in _with_progress(batches, progress):
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             _, fresh = apply(runner, params, fresh, x)
@@ -135,13 +138,28 @@ def _reset(state: Tree, norms: dict[str, _BatchNorm]) -> Tree:
     return fresh
 
 
-def _cumulative_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` in train mode, its BatchNorms' ``momentum`` None, sharing its tensors
-    (the deep copy's memo maps each of them to itself)."""
+@contextlib.contextmanager
+def _cumulative(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` as the passes need it: in train mode, its BatchNorms' ``momentum`` None.
+
+    A copy that shares the module's tensors (the deep copy's memo maps each of them to itself),
+    so the module is never changed. A module that refuses to be copied (FSDP2's ``fully_shard``
+    does) is set so for the passes and put back as it was after them, even after an error.
+    """
     tensors: list[Tensor] = [*module.parameters(), *module.buffers()]
     if isinstance(module, Ensemble):
         tensors += [*module._template.parameters(), *module._template.buffers()]
-    runner = copy.deepcopy(module, {id(tensor): tensor for tensor in tensors})
+    try:
+        runner = copy.deepcopy(module, {id(tensor): tensor for tensor in tensors})
+    except Exception:  # whatever a module raises to refuse copies (FSDP2: AssertionError)
+        if isinstance(module, Ensemble):
+            raise
+        copied = False
+    else:
+        copied = True
+    if not copied:
+        yield from _set_for_the_passes(module)
+        return
     held = runner._template if isinstance(runner, Ensemble) else runner
     for norm in held.modules():
         if isinstance(norm, _BatchNorm):
@@ -149,7 +167,22 @@ def _cumulative_copy(module: nn.Module) -> nn.Module:
     runner.train()
     if isinstance(runner, Ensemble):
         runner._bind()  # its kernels read each BatchNorm's momentum when they are built
-    return runner
+    yield runner
+
+
+def _set_for_the_passes(module: nn.Module) -> Iterator[nn.Module]:
+    momenta = [(m, m.momentum) for m in module.modules() if isinstance(m, _BatchNorm)]
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        for norm, _ in momenta:
+            norm.momentum = None
+        module.train()
+        yield module
+    finally:
+        for norm, momentum in momenta:
+            norm.momentum = momentum
+        for layer, training in modes:
+            layer.training = training
 
 
 def _with_progress(batches: Iterable[Any], progress: bool) -> Iterable[Any]:
