@@ -56,21 +56,23 @@ def _integers_kept(
     ``num_batches_tracked`` into a float (and a fractional ``alpha`` on an integer tensor is an
     error in torch): every such leaf gets one TypeError, with the fix that keeps it integer.
     """
-    other_argument = _operand("other", operand_is_tree)
-    fix = _integers_kept_fix(
-        op, other_argument if alpha is None else f"{other_argument}, alpha=alpha"
-    )
+
+    def fix() -> str:
+        other_argument = _operand("other", operand_is_tree)
+        return _integers_kept_fix(
+            op, other_argument if alpha is None else f"{other_argument}, alpha=alpha"
+        )
 
     def checked(leaf: Tensor, other: Any) -> Tensor:
         if isinstance(leaf, Tensor) and not is_float(leaf):
             if _is_fractional(alpha):
                 raise _floated(
-                    leaf, f"{op} with a fractional alpha ({alpha})", "floating-point", fix
+                    leaf, f"{op} with a fractional alpha ({alpha})", "floating-point", fix()
                 )
             if isinstance(other, (Tensor, int, float, complex)):
                 result = torch.result_type(leaf, other)
                 if result.is_floating_point or result.is_complex:
-                    raise _floated(leaf, op, str(result), fix)
+                    raise _floated(leaf, op, str(result), fix())
         return leaf_op(leaf, other)
 
     return checked
@@ -233,11 +235,11 @@ def _binary(
     operand_is_tree = not (
         type(other) in _SCALAR_TYPES or isinstance(other, (Tensor, numbers.Number))
     )
-    leaf_op = _integers_kept(op, leaf_op, operand_is_tree, alpha)
-
+    checked = _integers_kept(op, leaf_op, operand_is_tree, alpha)
     return fast_or_walk(
-        op, tree, _binary_fast, _binary_walk, other, operand_is_tree, leaf_op, foreach_kernel
-    )
+        op, tree, _binary_fast, _binary_walk, other, operand_is_tree, leaf_op, checked,
+        foreach_kernel,
+    )  # fmt: skip
 
 
 def _binary_fast(
@@ -245,8 +247,14 @@ def _binary_fast(
     other: Any,
     operand_is_tree: bool,
     leaf_op: Callable[[Tensor, Any], Tensor],
+    checked: Callable[[Tensor, Any], Tensor],
     foreach_kernel: Callable[..., Sequence[Tensor]] | None,
 ) -> dict:
+    # Floating-point leaves need no check (the usual tree of parameters): one scan, then the
+    # plain op at each leaf.
+    floats = all(leaf.is_floating_point() for leaf in flat.leaves)
+    if not floats:
+        leaf_op = checked
     if operand_is_tree:
         other_flat = dict_leaves(other) if type(other) is dict else None
         if other_flat is None or other_flat.skeleton != flat.skeleton:
@@ -254,7 +262,7 @@ def _binary_fast(
         out = [
             leaf_op(leaf, match) for leaf, match in zip(flat.leaves, other_flat.leaves, strict=True)
         ]
-    elif foreach_kernel is not None and _one_foreach_call(flat, other):
+    elif foreach_kernel is not None and _one_foreach_call(flat, other, floats):
         out = list(foreach_kernel(flat.leaves, other))  # a tuple: retie writes into it
     else:
         out = [leaf_op(leaf, other) for leaf in flat.leaves]
@@ -266,25 +274,27 @@ def _binary_walk(
     other: Any,
     operand_is_tree: bool,
     leaf_op: Callable[[Tensor, Any], Tensor],
+    checked: Callable[[Tensor, Any], Tensor],
     foreach_kernel: Callable[..., Sequence[Tensor]] | None,
 ) -> Any:
     if operand_is_tree:
-        return map_leaves_n(leaf_op, tree, (other,), REFUSE, ("other",))
-    return map_leaves(lambda leaf: leaf_op(leaf, other), tree, REFUSE)
+        return map_leaves_n(checked, tree, (other,), REFUSE, ("other",))
+    return map_leaves(lambda leaf: checked(leaf, other), tree, REFUSE)
 
 
-def _one_foreach_call(flat: DictLeaves, scalar: Any) -> bool:
+def _one_foreach_call(flat: DictLeaves, scalar: Any, floats: bool) -> bool:
     """Whether one foreach call is exactly the per-leaf op, and saves its Python dispatch.
 
     Only for plain tensors (no subclass with its own dispatch), a Python number (foreach kernels
     promote a 0-dim tensor or a numpy scalar differently from the per-tensor ops), and where
     `foreach_allowed` says so (no ``torch.func`` transform, nothing recorded by autograd). A
-    float number over an integer leaf goes leaf by leaf, where that leaf is refused.
+    float number over leaves that are not all ``floats`` (floating-point) goes leaf by leaf,
+    where an integer leaf is refused.
     """
     return (
         flat.exact
         and type(scalar) in _SCALAR_TYPES
         and bool(flat.leaves)
-        and (type(scalar) is not float or all(is_float(leaf) for leaf in flat.leaves))
+        and (floats or type(scalar) is not float)
         and foreach_allowed(flat.leaves)
     )
