@@ -8,12 +8,12 @@ PUBLIC = {
     "modstate": [
         "extract", "inject", "swap", "load", "call", "call_partial", "split", "apply", "flatten",
         "unflatten", "grad", "grad_and_value",
-        "stack", "unstack", "stack_modules", "vmap_call", "Ensemble",
+        "stack", "unstack", "stack_modules", "vmap_call", "Ensemble", "update_bn",
     ],
     "modstate.tree": [
         "map", "map_with_path", "reshape", "view", "unbind", "split", "add", "sub", "mul",
         "lerp", "zeros_like", "clone", "detach", "to", "select", "exclude", "summary",
-        "partition", "combine", "is_float", "is_trainable",
+        "partition", "combine", "is_float", "is_trainable", "mean",
     ],
     "modstate.optim": [
         "sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam", "radam", "adadelta",

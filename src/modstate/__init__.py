@@ -18,6 +18,7 @@ from modstate._core.split import split
 from modstate._core.trees.flat import flatten, unflatten
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 from modstate.ensemble._members_apply import apply
+from modstate.ensemble._update_bn import update_bn
 
 __version__ = "0.1.0"
 
@@ -42,5 +43,6 @@ __all__ = [
     "tree",
     "unflatten",
     "unstack",
+    "update_bn",
     "vmap_call",
 ]

@@ -175,7 +175,9 @@ _json_values = st.recursive(
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=5),
     lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=3), children, max_size=3)
+        st.lists(children, max_size=3)
+        | st.lists(children, max_size=3).map(tuple)  # the record says where tuples were
+        | st.dictionaries(st.text(max_size=3), children, max_size=3)
     ),
     max_leaves=10,
 )
@@ -186,19 +188,29 @@ _json_values = st.recursive(
 def test_any_json_value_round_trips_as_a_leaf(tmp_path_factory, extra):
     path = tmp_path_factory.mktemp("json") / "t.safetensors"
     checkpoint.save({"block": {"_extra_state": extra, "weight": torch.ones(1)}}, path)
-    assert checkpoint.load(path)["block"]["_extra_state"] == extra
+    assert checkpoint.load(path)["block"]["_extra_state"] == extra  # [1] != (1,): kinds kept
+
+
+def test_tuples_come_back_as_tuples_and_lists_as_lists(tmp_path):
+    extra = {"betas": (0.9, 0.999), "shape": [2, (3, [4, ()])], "pair": ([], {"a": (1,)})}
+    checkpoint.save({"_extra_state": extra, "w": torch.ones(1)}, tmp_path / "t.safetensors")
+    loaded = checkpoint.load(tmp_path / "t.safetensors")["_extra_state"]
+    assert loaded == extra
+    assert type(loaded["shape"]) is list and type(loaded["shape"][1]) is tuple
+    assert type(loaded["shape"][1][1]) is list and type(loaded["pair"][0]) is list
 
 
 @pytest.mark.parametrize(
     ("extra", "complaint"),
     [
-        ((1, 2), "tuple"),
+        ({1, 2}, "set value is not JSON"),
+        (torch.Size([1, 2]), "Size value is not JSON"),
         ({1: "a"}, "dict key 1"),
         (float("nan"), "not finite"),
         ({"t": torch.ones(1)}, "tensor inside"),
         (object(), "object value is not JSON"),
     ],
-    ids=["tuple", "int-key", "nan", "tensor-inside", "object"],
+    ids=["set", "torch.Size", "int-key", "nan", "tensor-inside", "object"],
 )
 def test_non_json_leaves_are_refused_naming_the_path_and_nothing_is_written(
     tmp_path, extra, complaint
@@ -405,6 +417,15 @@ def test_a_damaged_modstate_record_is_refused(saved_file):
     replace_in_header(saved_file, b"order", b"orde!")
     with pytest.raises(ValueError, match="corrupted modstate record"):
         checkpoint.load(saved_file)
+
+
+def test_a_record_that_places_a_tuple_where_no_list_is_is_refused(tmp_path):
+    path = tmp_path / "t.safetensors"
+    checkpoint.save({"w": torch.ones(1), "groups": [{"betas": (0.9, 0.99), "decay": 1}]}, path)
+    # The same length keeps the header readable; the record escapes its quotes.
+    replace_in_header(path, b'\\"betas\\"]', b'\\"decay\\"]')
+    with pytest.raises(ValueError, match=r"'groups': the record places a tuple at \[0, 'decay'"):
+        checkpoint.load(path)
 
 
 def test_arguments_in_the_wrong_order_name_the_order_and_the_fix_works(tmp_path):

@@ -128,6 +128,15 @@ def train_and_save_on_two_ranks(rank: int, world_size: int, directory: str) -> l
     from_models = ms.Ensemble(seeded_members(MEMBERS), mesh=mesh)
     assert_close_trees(from_models.tree(), ms.Ensemble(seeded_members(MEMBERS)).tree())
 
+    # Seeds given: member i is torch.manual_seed(i); factory() bit for bit, whichever rank
+    # builds it, and no rank's random state moves.
+    state = torch.get_rng_state()
+    seeded = ms.Ensemble.from_factory(factory, MEMBERS, mesh=mesh, seeds=list(range(MEMBERS)))
+    assert torch.equal(torch.get_rng_state(), state)
+    alone = ms.flatten(ms.stack_modules(seeded_members(MEMBERS)))
+    for path, leaf in ms.flatten(seeded.tree()).items():
+        assert torch.equal(leaf.full_tensor(), alone[path]), path
+
     # Per-member inputs (in_dims=0): a full tensor, each rank takes its members' rows.
     per_member = torch.randn(MEMBERS, 5, 4, generator=torch.Generator().manual_seed(5))
     by_member = ms.Ensemble(seeded_members(MEMBERS), mesh=mesh, in_dims=0)

@@ -93,3 +93,60 @@ def test_a_factory_that_builds_other_things_is_refused_with_the_path():
         ValueError, match=r"Ensemble.from_factory: 'weight': shape \(9, 4\) in model 1"
     ):
         ms.Ensemble.from_factory(varying, 2)
+
+
+# --- seeds given by the caller -------------------------------------------------------------
+
+
+def bn_factory() -> nn.Module:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[1].weight.uniform_()  # a draw after the layers' own initialization
+    return model
+
+
+def test_with_seeds_member_i_is_bit_for_bit_a_separate_run_with_seeds_i():
+    seeds = [3, 1 << 40, 0, -5]
+    ensemble = ms.Ensemble.from_factory(bn_factory, 4, seeds=seeds)
+    for i, seed in enumerate(seeds):
+        torch.manual_seed(seed)
+        alone = bn_factory()
+        for path, leaf in ms.flatten(ms.extract(alone)).items():
+            got = ms.flatten(ensemble.tree())[path][i]
+            assert got.dtype == leaf.dtype and torch.equal(got, leaf), (i, path)
+
+
+def test_with_seeds_the_global_random_state_is_left_as_it_was():
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    ms.Ensemble.from_factory(bn_factory, 3, seeds=[0, 1, 2])
+    assert torch.equal(torch.get_rng_state(), before)
+    ms.Ensemble.from_factory(bn_factory, 3)  # without seeds: one draw
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_without_seeds_the_global_state_advances_by_exactly_one_draw():
+    torch.manual_seed(11)
+    ms.Ensemble.from_factory(factory, 3)
+    after_build = torch.rand(3)
+    torch.manual_seed(11)
+    torch.randint(0, (1 << 63) - 1, (1,), dtype=torch.int64)  # the one draw, by hand
+    assert torch.equal(torch.rand(3), after_build)
+
+
+@pytest.mark.parametrize(
+    ("seeds", "error", "complaint"),
+    [
+        ([1, 2], ValueError, r"seeds has 2 entries for n=3 members"),
+        ([1, 2.0, 3], TypeError, r"'seeds\[1\]': a float \(2\.0\)"),
+        ([1, True, 3], TypeError, r"'seeds\[1\]': a bool"),
+        ([1, 1 << 64, 3], ValueError, r"'seeds\[1\]': 18446744073709551616 is outside"),
+        (7, TypeError, r"seeds is a int; give a list of 3 ints"),
+    ],
+    ids=["length", "float", "bool", "range", "not-a-list"],
+)
+def test_seeds_that_do_not_fit_are_refused_naming_the_entry(seeds, error, complaint):
+    with pytest.raises(error, match=rf"^Ensemble\.from_factory: {complaint}"):
+        ms.Ensemble.from_factory(factory, 3, seeds=seeds)
+    # the fix the messages name for the count
+    assert len(ms.Ensemble.from_factory(factory, 3, seeds=list(range(3)))) == 3

@@ -96,3 +96,41 @@ def test_a_tied_gradient_counts_once_as_model_parameters_lists_it():
     torch.testing.assert_close(norm, expected)
     torch.testing.assert_close(clipped["embed"]["weight"], lm.embed.weight.grad)
     assert clipped["embed"]["weight"] is clipped["head"]["weight"]
+
+
+def test_dp_sgd_per_sample_gradients_clipped_under_vmap_equal_a_loop_over_samples():
+    """The README's DP-SGD recipe: torch.vmap(ms.grad(loss), in_dims=(None, 0, 0)) gives each
+    sample's gradient (as torch.func's vmap(grad(functional_call)) does), and clip_grad_norm
+    under the same vmap clips each by its own norm, as clip_grad_norm_ on that sample alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    params = ms.extract(model, detach=True)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+
+    def sample_loss(params, xi, yi):
+        return (ms.call(model, params, xi[None]) - yi[None]).square().sum()
+
+    def clipped_grad(params, xi, yi):
+        return optim.clip_grad_norm(ms.grad(sample_loss)(params, xi, yi), 0.5)[0]
+
+    per_sample = torch.vmap(ms.grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+    clipped = torch.vmap(clipped_grad, in_dims=(None, 0, 0))(params, x, y)
+
+    def func_loss(flat, xi, yi):
+        return (torch.func.functional_call(model, flat, xi[None]) - yi[None]).square().sum()
+
+    by_torch_func = torch.vmap(torch.func.grad(func_loss), in_dims=(None, 0, 0))(
+        ms.flatten(params), x, y
+    )
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in ms.flatten(per_sample).values()])
+    assert (norms.norm(dim=0) > 0.5).sum() >= 2  # so the clipping is exercised
+    for i in range(len(x)):
+        model.zero_grad()  # the loop: one plain backward per sample
+        (model(x[i][None]) - y[i][None]).square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        for path, grad in zip(ms.flatten(params), grads, strict=True):
+            torch.testing.assert_close(ms.flatten(per_sample)[path][i], grad)
+            torch.testing.assert_close(by_torch_func[path][i], grad)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        for path, param in zip(ms.flatten(params), model.parameters(), strict=True):
+            torch.testing.assert_close(ms.flatten(clipped)[path][i], param.grad)

@@ -25,6 +25,39 @@ from random_trees import (
 OPERANDS = st.sampled_from([1, 2.5, True, -3, "tensor", "tree"])
 
 
+def integers_kept(op, alpha=None):
+    """The reference rule: torch's op, except that an integer or bool leaf the op would make
+    floating-point (a float operand, or a fractional alpha) is a TypeError."""
+
+    def reference(x, y):
+        if not (x.is_floating_point() or x.is_complex()):
+            result = torch.result_type(x, y)
+            if isinstance(alpha, float) or result.is_floating_point or result.is_complex:
+                raise TypeError("floated")
+        return op(x, y) if alpha is None else op(x, y, alpha=alpha)
+
+    return reference
+
+
+def in_walk_order(fn, tree, *rest):
+    """``per_leaf``, but calling ``fn`` in modstate's walk order (dicts in insertion order; optree
+    sorts their keys), so that of two leaves that fail differently the reference fails first
+    where modstate does."""
+
+    def visit(node, *others):
+        if isinstance(node, torch.Tensor):
+            fn(node, *others)
+        elif isinstance(node, dict):
+            for key in node:
+                visit(node[key], *(other[key] for other in others))
+        elif isinstance(node, (list, tuple)):
+            for i, child in enumerate(node):
+                visit(child, *(other[i] for other in others))
+
+    visit(tree, *rest)
+    return per_leaf(fn, tree, *rest)
+
+
 def _operand(kind, tree):
     if kind == "tensor":
         return torch.tensor([0.5], dtype=torch.float64)
@@ -39,10 +72,11 @@ def test_add_and_sub_are_per_leaf_with_alpha(tree, kind, alpha):
     other = _operand(kind, tree)
     for ours, torch_op in ((ms.tree.add, torch.add), (ms.tree.sub, torch.sub)):
 
-        def reference(op=torch_op):
+        def reference(torch_op=torch_op):
+            op = integers_kept(torch_op, alpha)
             if kind == "tree":
-                return per_leaf(lambda x, y: op(x, y, alpha=alpha), tree, other)
-            return per_leaf(lambda x: op(x, other, alpha=alpha), tree)
+                return in_walk_order(op, tree, other)
+            return in_walk_order(lambda x: op(x, other), tree)
 
         assert_matches_reference(lambda ours=ours: ours(tree, other, alpha=alpha), reference)
 
@@ -53,9 +87,10 @@ def test_mul_is_per_leaf(tree, kind):
     other = _operand(kind, tree)
 
     def reference():
+        op = integers_kept(torch.mul)
         if kind == "tree":
-            return per_leaf(torch.mul, tree, other)
-        return per_leaf(lambda x: torch.mul(x, other), tree)
+            return in_walk_order(op, tree, other)
+        return in_walk_order(lambda x: op(x, other), tree)
 
     assert_matches_reference(lambda: ms.tree.mul(tree, other), reference)
 
@@ -100,7 +135,9 @@ def test_arithmetic_structure_mismatch_names_the_first_differing_path():
 def test_arithmetic_errors_name_the_leaf_and_non_tensor_leaves_are_refused():
     tree = {"ok": torch.ones(2), "flags": {"mask": torch.ones(2, dtype=torch.bool)}}
     with pytest.raises(RuntimeError, match=r"tree\.sub: 'flags\.mask':"):
-        ms.tree.sub(tree, 1)
+        ms.tree.sub(tree, 1)  # torch's own refusal (no bool subtraction)
+    with pytest.raises(TypeError, match=r"tree\.mul: 'flags\.mask': a torch\.bool leaf, which"):
+        ms.tree.mul(tree, 0.5)  # a mask is not silently floated either
     with pytest.raises(TypeError, match=r"'n':.*got int"):
         ms.tree.add({"w": torch.ones(1), "n": 3}, 1)
 

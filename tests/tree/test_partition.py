@@ -73,23 +73,63 @@ def test_a_failing_predicate_names_the_path():
     assert "'1.num_batches_tracked'" in " ".join(info.value.__notes__)
 
 
-def test_lerp_on_an_integer_leaf_names_the_path_and_the_fix_works():
-    tree = ms.tree.detach(bn_tree())
-    with pytest.raises(TypeError, match=r"tree\.lerp: '1\.num_batches_tracked':.*partition"):
-        ms.tree.lerp(tree, tree, 0.1)
-    # The fix the message names: average the floating-point half only.
-    floats, _ = ms.tree.partition(tree, ms.tree.is_float)
-    ema = ms.tree.lerp(floats, ms.tree.mul(floats, 2), 0.5)
-    assert torch.equal(ema["0"]["weight"], tree["0"]["weight"] * 1.5)
-    assert ema["1"]["num_batches_tracked"] is None
+# Each call that would float BatchNorm's integer counter, with its arguments by the names the
+# fix in the message uses, and what the call gives on one floating-point leaf.
+FLOATING_CALLS = {
+    "mul": (lambda tree, other: ms.tree.mul(tree, other), {"other": 0.5}, lambda w: w * 0.5),
+    "mul-tensor": (
+        lambda tree, other: ms.tree.mul(tree, other),
+        {"other": torch.tensor(0.5)},
+        lambda w: w * 0.5,
+    ),
+    "add-alpha": (
+        lambda tree, other, alpha: ms.tree.add(tree, other, alpha=alpha),
+        {"other": "tree", "alpha": -0.1},
+        lambda w: w - 0.1 * w,
+    ),
+    "sub-alpha": (
+        lambda tree, other, alpha: ms.tree.sub(tree, other, alpha=alpha),
+        {"other": "tree", "alpha": 0.5},
+        lambda w: w - 0.5 * w,
+    ),
+    "sub-float": (
+        lambda tree, other: ms.tree.sub(tree, other),
+        {"other": 0.25},
+        lambda w: w - 0.25,
+    ),
+    "lerp": (
+        lambda tree, end, weight: ms.tree.lerp(tree, end, weight),
+        {"end": "tree", "weight": 0.1},
+        lambda w: torch.lerp(w, w, 0.1),
+    ),
+}
 
 
-def test_add_with_a_fractional_alpha_on_an_integer_leaf_names_the_path_and_the_fix_works():
+@pytest.mark.parametrize("name", list(FLOATING_CALLS))
+def test_an_op_that_would_float_an_integer_leaf_names_the_path_and_the_fix_works(name):
+    call, arguments, on_a_float = FLOATING_CALLS[name]
     tree = ms.tree.detach(bn_tree())
-    with pytest.raises(RuntimeError, match=r"tree\.add: '1\.num_batches_tracked':.*partition"):
-        ms.tree.add(tree, tree, alpha=-0.1)
-    with pytest.raises(RuntimeError, match=r"tree\.sub: '1\.num_batches_tracked':"):
-        ms.tree.sub(tree, tree, alpha=0.5)
-    floats, _ = ms.tree.partition(tree, ms.tree.is_float)
-    stepped = ms.tree.add(floats, floats, alpha=-0.1)
-    assert torch.allclose(stepped["0"]["bias"], tree["0"]["bias"] * 0.9)
+    arguments = {k: tree if v == "tree" else v for k, v in arguments.items()}
+    op = name.partition("-")[0]
+    with pytest.raises(TypeError, match=rf"^tree\.{op}: '1\.num_batches_tracked': ") as error:
+        call(tree, **arguments)
+    assert "integer leaves (BatchNorm's num_batches_tracked) are never floated" in str(error.value)
+
+    fix = str(error.value).split("keep the others: ")[1]  # the code the message names, as pasted
+    namespace = {"ms": ms, "tree": tree, **arguments}
+    statement, expression = fix.split("; ")  # "floats, ints = ...", "ms.tree.combine(...)"
+    exec(f"{statement}\nresult = {expression}", namespace)
+    result = namespace["result"]
+    assert result["1"]["num_batches_tracked"] is tree["1"]["num_batches_tracked"]  # an int still
+    assert torch.allclose(result["0"]["weight"], on_a_float(tree["0"]["weight"]))
+    assert ms.flatten(result).keys() == ms.flatten(tree).keys()
+
+
+def test_an_integer_factor_keeps_integer_leaves_integer():
+    tree = ms.tree.detach(bn_tree())
+    counted = ms.tree.add(tree, tree, alpha=2)  # 3 * every leaf
+    assert counted["1"]["num_batches_tracked"].dtype == torch.int64
+    doubled = ms.tree.mul(counted, 2)
+    assert doubled["1"]["num_batches_tracked"].dtype == torch.int64
+    assert torch.equal(doubled["0"]["weight"], tree["0"]["weight"] * 6)
+    assert ms.tree.sub(tree, 1)["1"]["num_batches_tracked"].dtype == torch.int64

@@ -215,9 +215,11 @@ def test_errors_follow_the_one_format():
     with pytest.raises(TypeError) as info:
         ms.tree.lerp({"n": torch.tensor(1)}, {"n": torch.tensor(2)}, 0.5)
     assert str(info.value) == (
-        "tree.lerp: 'n': lerp needs floating-point or complex leaves, this one is torch.int64; "
-        "keep integer leaves (BatchNorm's num_batches_tracked) out: "
-        "floats, ints = ms.tree.partition(tree, ms.tree.is_float)"
+        "tree.lerp: 'n': a torch.int64 leaf, which lerp would make floating-point: integer "
+        "leaves (BatchNorm's num_batches_tracked) are never floated; apply lerp to the "
+        "floating-point leaves only and keep the others: floats, ints = "
+        "ms.tree.partition(tree, ms.tree.is_float); ms.tree.combine(ms.tree.lerp(floats, "
+        "ms.tree.partition(end, ms.tree.is_float)[0], weight), ints)"
     )
     # no single place: the path is left out
     with pytest.raises(ValueError, match=r"^tree\.reshape: invalid shape \(-1, -1\)$"):

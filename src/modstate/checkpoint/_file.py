@@ -7,11 +7,17 @@ metadata holds, under the key ``"modstate"``, a JSON object::
      "order": ["0.weight", "0.bias", ...],      # every path, in the tree's order
      "ties": {"head.weight": "embed.weight"},  # path -> the path whose tensor it shares
      "values": {"norm._extra_state": {...}},   # non-tensor leaves, as JSON
+     "tuples": {"optimizer.param_groups": [[0, "betas"]]},  # where those hold tuples
      "crc32": {"0.weight": 123456, ...}}       # checksum of each stored tensor's bytes
 
 Tensors stored once per tie; ``"format": "pt"`` is also set, as Hugging Face files do. A
 safetensors file without the ``"modstate"`` record (written by any other tool) loads too: its
 tensors, in the file's order, with no ties.
+
+JSON has no tuple, so ``"tuples"`` lists, for each non-tensor leaf that holds one, the place of
+every tuple inside it (the dict keys and list indices leading there, ``[]`` for the leaf itself):
+an optimizer's ``betas`` come back as the tuple ``torch.optim`` keeps. A record without it (no
+tuples, or an older file) reads as before.
 """
 
 from __future__ import annotations
@@ -50,11 +56,15 @@ def pack(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, st
     stored: dict[str, torch.Tensor] = {}
     ties: dict[str, str] = {}
     values: dict[str, Any] = {}
+    tuples: dict[str, list[list[str | int]]] = {}
     first_path_of_view: dict[tuple, str] = {}
     storages_in_use: set[tuple] = set()
     for path, leaf in flat.items():
         if not isinstance(leaf, torch.Tensor):
             values[path] = leaf
+            places = _tuple_places(leaf, [])
+            if places:
+                tuples[path] = places
             continue
         tensor = leaf.detach()
         view = _view_key(tensor)
@@ -74,6 +84,7 @@ def pack(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, st
         "order": list(flat),
         "ties": ties,
         "values": values,
+        **({"tuples": tuples} if tuples else {}),
         "crc32": {path: _crc32(tensor) for path, tensor in stored.items()},
     }
     return stored, {"format": "pt", RECORD_KEY: json.dumps(record, allow_nan=False)}
@@ -153,7 +164,9 @@ def _assemble(
     flat: dict[str, Any] = {}
     for path in record["order"]:
         if path in record["values"]:
-            flat[path] = record["values"][path]
+            places = record.get("tuples", {}).get(path, [])
+            value = record["values"][path]
+            flat[path] = _with_tuples(name, path, value, places) if places else value
         elif path in record["ties"]:
             flat[path] = tensors[record["ties"][path]]
         else:
@@ -200,7 +213,59 @@ def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> 
         raise corrupted("the recorded paths do not match the tensors in the file")
     if any(target not in tensors for target in ties.values()) or set(checksums) != set(tensors):
         raise corrupted("ties or checksums refer to tensors that are not in the file")
+    tuples = record.get("tuples", {})
+    if not (
+        isinstance(tuples, dict)
+        and set(tuples) <= set(values)
+        and all(
+            isinstance(places, list)
+            and all(isinstance(place, list) for place in places)
+            and all(type(key) in (str, int) for place in places for key in place)
+            for places in tuples.values()
+        )
+    ):
+        raise corrupted("malformed 'tuples'")
     return record
+
+
+def _tuple_places(value: Any, where: list[str | int]) -> list[list[str | int]]:
+    """The place of every tuple inside the JSON value ``value`` (see the module docstring)."""
+    places: list[list[str | int]] = []
+    if isinstance(value, (list, tuple)):
+        if isinstance(value, tuple):
+            places.append(where)
+        for index, item in enumerate(value):
+            places += _tuple_places(item, [*where, index])
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            places += _tuple_places(item, [*where, key])
+    return places
+
+
+def _with_tuples(name: str, path: str, value: Any, places: list[list[str | int]]) -> Any:
+    """``value`` read from JSON with the lists at ``places`` turned back into tuples."""
+    wanted: set[tuple[str | int, ...]] = {tuple(place) for place in places}
+    found: set[tuple[str | int, ...]] = set()
+
+    def rebuilt(node: Any, where: tuple[str | int, ...]) -> Any:
+        if isinstance(node, list):
+            items = [rebuilt(item, (*where, index)) for index, item in enumerate(node)]
+            if where in wanted:
+                found.add(where)
+                return tuple(items)
+            return items
+        if isinstance(node, dict):
+            return {key: rebuilt(item, (*where, key)) for key, item in node.items()}
+        return node
+
+    result = rebuilt(value, ())
+    if found != wanted:
+        raise ValueError(
+            f"checkpoint.load: {name!r}: a corrupted modstate record in its header ({path!r}: "
+            f"the record places a tuple at {list(next(iter(wanted - found)))}, where the "
+            "value holds no list); load another checkpoint"
+        )
+    return result
 
 
 def _refuse_foreign_file(name: str) -> None:

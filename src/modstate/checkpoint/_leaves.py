@@ -76,9 +76,10 @@ def check_file_tensor(path: str, tensor: torch.Tensor) -> None:
 def check_json_value(path: str, value: Any) -> None:
     """Refuse, naming ``path``, a non-tensor leaf that JSON would not give back unchanged.
 
-    Allowed: ``None``, ``bool``, ``int``, finite ``float``, ``str``, and ``list`` / ``dict``
-    (string keys) of those. Tuples, sets, non-string keys, NaN and other objects are refused
-    because ``json`` would change them (or cannot write them) and a checkpoint never pickles.
+    Allowed: ``None``, ``bool``, ``int``, finite ``float``, ``str``, and ``list`` / ``tuple`` /
+    ``dict`` (string keys) of those (the record notes where the tuples are, so they come back as
+    tuples). Sets, namedtuples, non-string keys, NaN and other objects are refused because
+    ``json`` would change them (or cannot write them) and a checkpoint never pickles.
     """
     problem = _json_problem(value, "")
     if problem is not None:
@@ -87,7 +88,7 @@ def check_json_value(path: str, value: Any) -> None:
         raise TypeError(
             f"checkpoint.save: {path!r}: {what}{inside}; non-tensor leaves (such as "
             "_extra_state) are stored as JSON, so they must be None, bool, int, finite float, "
-            "str, or lists / str-keyed dicts of those (checkpoints never pickle)"
+            "str, or lists / tuples / str-keyed dicts of those (checkpoints never pickle)"
         )
 
 
@@ -97,7 +98,7 @@ def _json_problem(value: Any, where: str) -> tuple[str, str] | None:
         return None
     if kind is float:
         return None if math.isfinite(value) else (where, f"float {value!r} is not finite")
-    if kind is list:
+    if kind is list or kind is tuple:
         for index, item in enumerate(value):
             problem = _json_problem(item, f"{where}[{index}]")
             if problem is not None:

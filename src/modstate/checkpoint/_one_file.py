@@ -19,7 +19,8 @@ def save(tree: dict[str, Any], path: str | os.PathLike) -> None:
     Every leaf is checked first (a refused tree writes nothing): tensors of any dtype safetensors
     knows (float64/32/16, bfloat16, float8, complex64, signed and unsigned ints, bool), any shape
     including 0-d, on any device; non-tensor leaves such as ``_extra_state`` if they are JSON
-    (``None``, bool, int, finite float, str, lists and str-keyed dicts of those).
+    (``None``, bool, int, finite float, str, lists, tuples and str-keyed dicts of those; tuples
+    come back as tuples, so an optimizer's ``param_groups`` with Adam's ``betas`` round-trip).
 
     Tied tensors (the same view of the same memory at several paths, like an embedding tied to
     a head) are stored once and ``load`` gives back one tensor at all those paths. Tensors that

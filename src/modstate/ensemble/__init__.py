@@ -8,9 +8,10 @@ stacked state; ``_kept`` keeps an ``Ensemble`` per module for trees given at cal
 holds the batched kernels (one file per family of layers), ``_functorch`` is the seam where a
 kernel meets ``torch.vmap``, ``_runner`` runs the model's own forward under vmap with the
 kernels in place, and ``_chain`` runs a plain ``Sequential`` of kernels without vmap.
-``_stacked_state`` registers the stacked tensors on a mirror of the model, ``_factory`` builds
-members for ``Ensemble.from_factory`` (seeds, one member at a time), and ``_sharded`` spreads
-the members over the ranks of a device mesh.
+``_update_bn`` recomputes BatchNorm statistics for averaged weights (``modstate.update_bn``, on
+``_members_apply``'s ``apply``). ``_stacked_state`` registers the stacked tensors on a mirror of
+the model, ``_factory`` builds members for ``Ensemble.from_factory`` (seeds, one member at a
+time), and ``_sharded`` spreads the members over the ranks of a device mesh.
 
 May import ``modstate._core`` and ``modstate.tree``; never ``optim``, ``checkpoint`` or ``cli``.
 """

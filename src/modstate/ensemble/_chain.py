@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modstate._core.extract import extract
@@ -37,6 +36,7 @@ from ._kernels import (
     KernelContext,
     MultiheadAttentionKernel,
     NoKernel,
+    dropout_members,
     kernel_for,
 )
 from ._kernels.linear import LinearKernel
@@ -142,9 +142,12 @@ def _features_first(
     """``done`` with ``layer``'s features-first step added; None where the chain cannot run
     features first: a layer other than ``Linear``, ``BatchNorm1d``, the activations and
     ``Dropout``, or a chain that does not start with a ``Linear``."""
-    if (type(layer) in ELEMENTWISE or type(layer) is nn.Dropout) and done:
-        # Elementwise, and Dropout's masks follow randomness on any layout with members first.
+    if type(layer) in ELEMENTWISE and done:
         done.append(lambda h: step(h, 0)[0])
+        return done
+    if type(layer) is nn.Dropout and done:
+        # The masks are drawn for the activations as the members see them, (batch, features).
+        done.append(lambda h: step(h.transpose(1, 2), 0)[0].transpose(1, 2))
         return done
     if type(kernel) is LinearKernel or (
         type(kernel) is BatchNormKernel and type(layer) is nn.BatchNorm1d and done
@@ -259,13 +262,7 @@ def _dropout(layer: nn.Dropout, context: KernelContext) -> Step:
                 "pass randomness='different' (a mask per member) or 'same' (one for all), or "
                 "call .eval()"
             )
-        if randomness == "same":
-            if bdim is None:
-                return F.dropout(x, p, True), None
-            return x * F.dropout(torch.ones_like(x.select(bdim, 0)), p, True).unsqueeze(bdim), bdim
-        if bdim is None:
-            x, bdim = x.expand(count, *x.shape), 0
-        return F.dropout(x, p, True), bdim
+        return dropout_members(x, bdim, count, p, randomness)
 
     return step
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from modstate._core.trees.flat import Layout, flatten
 from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain
-from ._factory import build_members, draw_base_seed, member_seed
+from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
 from ._plan import Plan
 from ._runner import ThreadRunners, VmapRunner
@@ -63,8 +63,13 @@ class Ensemble(nn.Module):
         randomness: ``torch.vmap``'s, with its default ``"error"``: a random op in a member
             (dropout in training mode) is refused until you choose ``"different"`` (a draw per
             member, like a loop over the models) or ``"same"`` (one draw shared by all).
+            ``nn.Dropout``'s masks depend only on the random state and the member, not on the
+            route (``fast``, the plan): the mask ``F.dropout`` draws on the CPU for the
+            activations laid out ``(members, *activation shape)``, row i for member i (with
+            ``"same"``, one mask of a member's shape).
         fast: False runs the whole model under ``torch.vmap`` without batched kernels (the
-            reference path, for comparison).
+            reference path, for comparison; ``nn.Dropout`` still draws its masks members
+            first, as every route does).
         mesh: None (default) for a one-process ensemble; a 1-D ``DeviceMesh`` spreads the
             members over its ranks: the stacked tensors are ``DTensor`` s sharded on the member
             dim, each rank stores and runs only its members, and ``forward`` returns outputs
@@ -134,15 +139,22 @@ class Ensemble(nn.Module):
         randomness: str = "error",
         fast: bool = True,
         mesh: Any = None,
+        seeds: Sequence[int] | None = None,
     ) -> Ensemble:
         """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
 
-        Member ``i`` is built under a seed made of one draw from the global random state and
-        ``i``: the global seed decides every member, two ensembles built in a row differ, and
-        member ``i`` is the same model with or without a mesh, on any number of ranks (a mesh
-        takes the draw of its first rank). The caller's random state advances by that one draw.
-        Each member is copied into the stacked tensors as soon as it is built and dropped, so
-        the memory needed stays near the stacked state's size, not twice it.
+        Without ``seeds``, member ``i`` is built under a seed made of one draw from the global
+        random state and ``i``: the global seed decides every member, two ensembles built in a
+        row differ, and member ``i`` is the same model with or without a mesh, on any number of
+        ranks (a mesh takes the draw of its first rank). The caller's random state advances by
+        that one draw. With ``seeds``, member ``i`` is bit for bit the model that
+        ``torch.manual_seed(seeds[i]); factory()`` builds (a separate run with that seed), and
+        the global random state is not drawn from: after the call it is as it was before (the
+        CPU's, and CUDA's where CUDA is initialized; each member is built with the caller's
+        state set aside, ``torch.random.fork_rng``). With a mesh, every rank passes the same
+        seeds and builds its own members from them. Each member is copied into the stacked
+        tensors as soon as it is built and dropped, so the memory needed stays near the
+        stacked state's size, not twice it.
 
         Args:
             factory: builds one member (called ``n`` times, or once per member this rank holds
@@ -154,15 +166,20 @@ class Ensemble(nn.Module):
             fast: see [`Ensemble`][modstate.Ensemble].
             mesh: see [`Ensemble`][modstate.Ensemble]; every rank of the mesh calls
                 ``from_factory`` (a collective: the seed is the first rank's).
+            seeds: one ``torch.manual_seed`` seed per member (``n`` ints), for members that
+                are reproducible on their own; None (default) seeds them from the global
+                random state.
 
         Returns:
             The ensemble.
 
         Raises:
-            ValueError: ``n`` is not a positive int, the factory's models differ (see
-                [`stack_modules`][modstate.stack_modules]), or the options are refused (see
-                [`Ensemble`][modstate.Ensemble]).
-            TypeError: the factory returned something that is not an ``nn.Module``.
+            ValueError: ``n`` is not a positive int, ``seeds`` does not give ``n`` seeds (or
+                one is outside ``torch.manual_seed``'s range), the factory's models differ
+                (see [`stack_modules`][modstate.stack_modules]), or the options are refused
+                (see [`Ensemble`][modstate.Ensemble]).
+            TypeError: the factory returned something that is not an ``nn.Module``, or a
+                seed is not an int.
 
         Example:
             >>> import torch, modstate as ms
@@ -171,15 +188,22 @@ class Ensemble(nn.Module):
             >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Linear(4, 2), 8)
             >>> ens.stacked.weight.shape
             torch.Size([8, 2, 4])
+            >>> ens = ms.Ensemble.from_factory(lambda: torch.nn.Linear(4, 2), 3, seeds=[7, 8, 9])
+            >>> _ = torch.manual_seed(8)
+            >>> torch.equal(ens.member(1).weight, torch.nn.Linear(4, 2).weight)
+            True
         """
         caller = "Ensemble.from_factory"
         options = _options(caller, compile, in_dims, randomness, fast)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
+        given = None if seeds is None else checked_seeds(seeds, n, caller)
         shards = None if mesh is None else MemberShards(mesh, n, caller)
-        base = draw_base_seed(None if mesh is None else mesh.get_group())
         indices = range(n) if shards is None else shards.here
-        template, stacked = build_members(factory, [member_seed(base, i) for i in indices], caller)
+        if given is None:
+            base = draw_base_seed(None if mesh is None else mesh.get_group())
+            given = [member_seed(base, i) for i in range(n)]
+        template, stacked = build_members(factory, [given[i] for i in indices], caller)
         local = cls._assembled(template, stacked, len(indices), options)
         if shards is None:
             return local

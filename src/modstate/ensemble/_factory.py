@@ -6,7 +6,9 @@ decides every member, and two ensembles built in a row differ); member ``i`` is 
 seed mixed from that number and ``i``, the caller's random state set aside meanwhile. Member
 ``i`` therefore does not depend on which process builds it: a member-parallel ensemble takes the
 number drawn on its mesh's first rank, and every rank builds its own members as the one-process
-ensemble would.
+ensemble would. Seeds given by the caller (``seeds=[...]``) replace the mixed ones and draw
+nothing: member ``i`` is what ``torch.manual_seed(seeds[i]); factory()`` builds, and the
+caller's random state is as it was.
 
 Memory: the stacked tensors are allocated once the first member is built, and each member is
 copied into its row and dropped before the next is built, so the peak stays near the stacked
@@ -46,6 +48,37 @@ def draw_base_seed(group: Any = None) -> int:
 
         dist.broadcast(base, group=group, group_src=0)
     return int(base.item())
+
+
+# The seeds torch.manual_seed takes.
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def checked_seeds(seeds: Any, n: int, caller: str) -> list[int]:
+    """``seeds`` as a list of ``n`` ints that ``torch.manual_seed`` takes, or a ValueError /
+    TypeError naming the entry at fault."""
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence):
+        raise TypeError(
+            f"{caller}: seeds is a {type(seeds).__name__}; give a list of {n} ints, one per "
+            f"member (seeds=list(range({n})))"
+        )
+    if len(seeds) != n:
+        raise ValueError(
+            f"{caller}: seeds has {len(seeds)} entries for n={n} members; give one seed per "
+            f"member (seeds=list(range({n})))"
+        )
+    for i, seed in enumerate(seeds):
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(
+                f"{caller}: 'seeds[{i}]': a {type(seed).__name__} ({seed!r}); a seed is an int, "
+                "as torch.manual_seed takes"
+            )
+        if not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+            raise ValueError(
+                f"{caller}: 'seeds[{i}]': {seed} is outside the seeds torch.manual_seed takes "
+                f"([{_SEED_RANGE[0]}, {_SEED_RANGE[1]}]); give a seed in that range"
+            )
+    return list(seeds)
 
 
 def member_seed(base: int, index: int) -> int:

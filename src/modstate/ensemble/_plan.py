@@ -20,6 +20,7 @@ from torch.nn.utils import parametrize
 from ._kernels import (
     ELEMENTWISE,
     KERNEL_TYPES,
+    DropoutKernel,
     Kernel,
     KernelContext,
     MultiheadAttentionKernel,
@@ -112,7 +113,8 @@ def plan_layers(
     module: nn.Module, context: KernelContext, batched: bool
 ) -> tuple[list[Route], dict[str, Installed]]:
     """Every layer's route, and what to install on which path of ``module`` (the runner copy)
-    for the batched routes. ``batched=False`` plans the whole model under vmap."""
+    for the batched routes. ``batched=False`` plans the whole model under vmap, but for
+    ``nn.Dropout``'s kernel (its masks must not depend on the route)."""
     routes: list[Route] = []
     installed: dict[str, Installed] = {}
     _visit(module, "", context, batched, routes, installed, set())
@@ -174,6 +176,11 @@ def _visit(
             else _no_kernel_reason(module)
         )
         routes.append(Route(path, layer, f"its own code under vmap, reading {', '.join(own)}", why))
+    elif type(module) is nn.Dropout and not batched:
+        # The one kernel of fast=False: its masks are drawn as on the batched routes.
+        kernel = DropoutKernel(module, context)  # type: ignore[arg-type]
+        routes.append(Route(path, layer, kernel.route))
+        installed[path] = kernel
     elif not children:
         routes.append(Route(path, layer, _stateless_route(module, context)))
     for name, child in children:

@@ -61,7 +61,8 @@ class VmapRunner:
 
     Built once per ensemble (and again after a copy or unpickling); ``__call__(args, kwargs,
     in_dims)`` runs it. ``routes`` is the plan of its layers; ``batched=False`` installs no
-    kernel (the whole model under vmap: the reference path)."""
+    kernel but ``nn.Dropout``'s (the whole model under vmap: the reference path; the dropout
+    kernel only draws the masks as the batched routes do)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Operations on pytrees of tensors: map, reshape, split, arithmetic, selection, summary.
+"""Operations on pytrees of tensors: map, reshape, split, arithmetic, mean, selection, summary.
 
 Every function takes any pytree (nested ``dict``/``list``/``tuple``/namedtuple, ``None`` as an
 empty subtree) whose leaves are tensors, returns a new tree of the same structure, and never
@@ -25,7 +25,7 @@ Where things are (this package imports only ``modstate._core``):
 
 - ``_map``: `map`, `map_with_path`;
 - ``_shape``: `reshape`, `view`, `unbind`, `split` (the batch dims);
-- ``_arithmetic``: `add`, `sub`, `mul`, `lerp`;
+- ``_arithmetic``: `add`, `sub`, `mul`, `lerp`; ``_mean``: `mean` (model soups);
 - ``_each``: `zeros_like`, `clone`, `detach`, `to` (one tensor op at each leaf);
 - ``_partition``: `partition`, `combine`; ``_predicates``: `is_float`, `is_trainable`;
 - ``_select``: `select`, `exclude` (globs on dotted paths); ``_summary``: `summary`;
@@ -39,6 +39,7 @@ from __future__ import annotations
 from modstate.tree._arithmetic import add, lerp, mul, sub
 from modstate.tree._each import clone, detach, to, zeros_like
 from modstate.tree._map import map, map_with_path
+from modstate.tree._mean import mean
 from modstate.tree._partition import combine, partition
 from modstate.tree._predicates import is_float, is_trainable
 from modstate.tree._select import exclude, select
@@ -57,6 +58,7 @@ __all__ = [
     "lerp",
     "map",
     "map_with_path",
+    "mean",
     "mul",
     "partition",
     "reshape",

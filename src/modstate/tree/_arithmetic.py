@@ -17,10 +17,65 @@ from modstate.tree._walk import REFUSE, map_leaves, map_leaves_n
 
 _SCALAR_TYPES = (int, float, bool)
 
-FLOAT_ONLY_FIX = (
-    "keep integer leaves (BatchNorm's num_batches_tracked) out: "
-    "floats, ints = ms.tree.partition(tree, ms.tree.is_float)"
-)
+
+def _integers_kept_fix(op: str, arguments: str) -> str:
+    """The fix for an integer leaf that ``op`` would float: ``op`` on the floating-point half
+    (``arguments`` after ``floats``), combined with the rest."""
+    return (
+        f"apply {op} to the floating-point leaves only and keep the others: floats, ints = "
+        "ms.tree.partition(tree, ms.tree.is_float); "
+        f"ms.tree.combine(ms.tree.{op}(floats, {arguments}), ints)"
+    )
+
+
+def _operand(name: str, is_tree: bool) -> str:
+    """How the fix passes an operand: a tree loses the places of the tree's integer leaves too."""
+    return f"ms.tree.partition({name}, ms.tree.is_float)[0]" if is_tree else name
+
+
+def _is_fractional(number: Any) -> bool:
+    if isinstance(number, Tensor):
+        return is_float(number)
+    return isinstance(number, numbers.Number) and not isinstance(number, numbers.Integral)
+
+
+def _floated(leaf: Tensor, by: str, result: str, fix: str) -> TypeError:
+    """The one error for an integer leaf that an op would make floating-point."""
+    return TypeError(
+        f"a {leaf.dtype} leaf, which {by} would make {result}: integer leaves (BatchNorm's "
+        f"num_batches_tracked) are never floated; {fix}"
+    )
+
+
+def _integers_kept(
+    op: str, leaf_op: Callable[[Tensor, Any], Tensor], operand_is_tree: bool, alpha: Any = None
+) -> Callable[[Tensor, Any], Tensor]:
+    """``leaf_op``, refusing an integer (or bool) leaf that the op would make floating-point.
+
+    torch promotes ``int64 * 0.5`` to float32, which would silently turn BatchNorm's
+    ``num_batches_tracked`` into a float (and a fractional ``alpha`` on an integer tensor is an
+    error in torch): every such leaf gets one TypeError, with the fix that keeps it integer.
+    """
+
+    def fix() -> str:
+        other_argument = _operand("other", operand_is_tree)
+        return _integers_kept_fix(
+            op, other_argument if alpha is None else f"{other_argument}, alpha=alpha"
+        )
+
+    def checked(leaf: Tensor, other: Any) -> Tensor:
+        if isinstance(leaf, Tensor) and not is_float(leaf):
+            if _is_fractional(alpha):
+                raise _floated(
+                    leaf, f"{op} with a fractional alpha ({alpha})", "floating-point", fix()
+                )
+            if isinstance(other, (Tensor, int, float, complex)):
+                result = torch.result_type(leaf, other)
+                if result.is_floating_point or result.is_complex:
+                    raise _floated(leaf, op, str(result), fix())
+        return leaf_op(leaf, other)
+
+    return checked
 
 
 def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
@@ -38,9 +93,11 @@ def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
 
     Raises:
         ValueError: ``other`` is a tree of another structure (naming the first differing place).
-        TypeError: A leaf is not a tensor (naming its path).
-        RuntimeError: torch refuses the op at a leaf (naming its path); for a fractional
-            ``alpha`` on an integer leaf the message says how to keep integer leaves out.
+        TypeError: A leaf is not a tensor, or an integer or bool leaf would become
+            floating-point (a fractional ``other`` or ``alpha``); the message names its path
+            and the fix: `partition` the tree with [`is_float`][modstate.tree.is_float], then
+            [`combine`][modstate.tree.combine].
+        RuntimeError: torch refuses the op at a leaf (naming its path).
 
     Example:
         >>> ms.tree.add({"w": torch.ones(2)}, 1)
@@ -50,7 +107,7 @@ def add(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """
     if type(alpha) is int and alpha == 1:
         return _binary("add", tree, other, torch.add, torch._foreach_add)
-    return _binary("add", tree, other, _with_alpha(torch.add, alpha))
+    return _binary("add", tree, other, _with_alpha(torch.add, alpha), alpha=alpha)
 
 
 def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
@@ -67,7 +124,8 @@ def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
 
     Raises:
         ValueError: ``other`` is a tree of another structure (naming the first differing place).
-        TypeError: A leaf is not a tensor (naming its path).
+        TypeError: A leaf is not a tensor, or an integer or bool leaf would become
+            floating-point, as in [`add`][modstate.tree.add] (naming its path and the fix).
         RuntimeError: torch refuses the op at a leaf (naming its path).
 
     Example:
@@ -76,11 +134,14 @@ def sub(tree: Any, other: Any, *, alpha: float | Tensor = 1) -> Any:
     """
     if type(alpha) is int and alpha == 1:
         return _binary("sub", tree, other, torch.sub, torch._foreach_sub)
-    return _binary("sub", tree, other, _with_alpha(torch.sub, alpha))
+    return _binary("sub", tree, other, _with_alpha(torch.sub, alpha), alpha=alpha)
 
 
 def mul(tree: Any, other: Any) -> Any:
     """``leaf * other`` at every leaf, with ``torch.mul``'s rules.
+
+    An integer factor keeps integer leaves integer; a fractional one refuses them (torch would
+    make BatchNorm's ``num_batches_tracked`` a float), naming the path and the fix.
 
     Args:
         tree: A pytree of tensors.
@@ -92,12 +153,14 @@ def mul(tree: Any, other: Any) -> Any:
 
     Raises:
         ValueError: ``other`` is a tree of another structure (naming the first differing place).
-        TypeError: A leaf is not a tensor (naming its path).
+        TypeError: A leaf is not a tensor, or an integer or bool leaf would become
+            floating-point (naming its path, with the fix: `partition` the tree with
+            [`is_float`][modstate.tree.is_float], then [`combine`][modstate.tree.combine]).
         RuntimeError: torch refuses the op at a leaf (naming its path).
 
     Example:
-        >>> ms.tree.mul({"w": torch.ones(2)}, 3)
-        {'w': tensor([3., 3.])}
+        >>> ms.tree.mul({"w": torch.ones(2), "n": torch.tensor(3)}, 2)
+        {'w': tensor([2., 2.]), 'n': tensor(6)}
     """
     return _binary("mul", tree, other, torch.mul, torch._foreach_mul)
 
@@ -120,7 +183,8 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
     Raises:
         ValueError: ``end`` or ``weight`` is a tree of another structure (naming the place).
         TypeError: A leaf is not a floating-point or complex tensor (naming its path, with the
-            fix: partition the tree with [`is_float`][modstate.tree.is_float] first).
+            fix: `partition` the tree with [`is_float`][modstate.tree.is_float], then
+            [`combine`][modstate.tree.combine]).
         RuntimeError: torch refuses the op at a leaf (naming its path).
 
     Example:
@@ -138,12 +202,13 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
         others.append(weight)
         names.append("weight")
 
+    fix = _integers_kept_fix(
+        "lerp", f"{_operand('end', end_is_tree)}, {_operand('weight', weight_is_tree)}"
+    )
+
     def leaf_lerp(leaf: Tensor, *matching: Any) -> Tensor:
         if not is_float(leaf):
-            raise TypeError(
-                f"lerp needs floating-point or complex leaves, this one is {leaf.dtype}; "
-                + FLOAT_ONLY_FIX
-            )
+            raise _floated(leaf, "lerp", "floating-point", fix)
         leaf_end = matching[0] if end_is_tree else end
         leaf_weight = matching[-1] if weight_is_tree else weight
         return torch.lerp(leaf, leaf_end, leaf_weight)
@@ -152,18 +217,8 @@ def lerp(tree: Any, end: Any, weight: Any) -> Any:
 
 
 def _with_alpha(op: Callable[..., Tensor], alpha: Any) -> Callable[[Tensor, Any], Tensor]:
-    """``op(a, b, alpha=alpha)``; torch's refusal of a fractional alpha on integer leaves gets the
-    fix (same error class, so the ops still fail exactly where torch's do)."""
-
-    def leaf_op(leaf: Tensor, other: Any) -> Tensor:
-        try:
-            return op(leaf, other, alpha=alpha)
-        except RuntimeError as error:
-            if "alpha" in str(error) and not is_float(leaf):
-                raise RuntimeError(f"{error} ({leaf.dtype} leaf); {FLOAT_ONLY_FIX}") from None
-            raise
-
-    return leaf_op
+    """``op(a, b, alpha=alpha)`` (a fractional alpha on an integer leaf is refused before)."""
+    return lambda leaf, other: op(leaf, other, alpha=alpha)
 
 
 def _binary(
@@ -172,15 +227,19 @@ def _binary(
     other: Any,
     leaf_op: Callable[[Tensor, Any], Tensor],
     foreach_kernel: Callable[..., Sequence[Tensor]] | None = None,
+    *,
+    alpha: Any = None,
 ) -> Any:
-    """``leaf_op(leaf, other)`` (other a number or tensor) or ``leaf_op(leaf, other_leaf)``."""
+    """``leaf_op(leaf, other)`` (other a number or tensor) or ``leaf_op(leaf, other_leaf)``;
+    ``alpha`` is the one ``leaf_op`` applies (None: ``leaf_op`` takes none)."""
     operand_is_tree = not (
         type(other) in _SCALAR_TYPES or isinstance(other, (Tensor, numbers.Number))
     )
-
+    checked = _integers_kept(op, leaf_op, operand_is_tree, alpha)
     return fast_or_walk(
-        op, tree, _binary_fast, _binary_walk, other, operand_is_tree, leaf_op, foreach_kernel
-    )
+        op, tree, _binary_fast, _binary_walk, other, operand_is_tree, leaf_op, checked,
+        foreach_kernel,
+    )  # fmt: skip
 
 
 def _binary_fast(
@@ -188,8 +247,14 @@ def _binary_fast(
     other: Any,
     operand_is_tree: bool,
     leaf_op: Callable[[Tensor, Any], Tensor],
+    checked: Callable[[Tensor, Any], Tensor],
     foreach_kernel: Callable[..., Sequence[Tensor]] | None,
 ) -> dict:
+    # Floating-point leaves need no check (the usual tree of parameters): one scan, then the
+    # plain op at each leaf.
+    floats = all(leaf.is_floating_point() for leaf in flat.leaves)
+    if not floats:
+        leaf_op = checked
     if operand_is_tree:
         other_flat = dict_leaves(other) if type(other) is dict else None
         if other_flat is None or other_flat.skeleton != flat.skeleton:
@@ -197,7 +262,7 @@ def _binary_fast(
         out = [
             leaf_op(leaf, match) for leaf, match in zip(flat.leaves, other_flat.leaves, strict=True)
         ]
-    elif foreach_kernel is not None and _one_foreach_call(flat, other):
+    elif foreach_kernel is not None and _one_foreach_call(flat, other, floats):
         out = list(foreach_kernel(flat.leaves, other))  # a tuple: retie writes into it
     else:
         out = [leaf_op(leaf, other) for leaf in flat.leaves]
@@ -209,23 +274,27 @@ def _binary_walk(
     other: Any,
     operand_is_tree: bool,
     leaf_op: Callable[[Tensor, Any], Tensor],
+    checked: Callable[[Tensor, Any], Tensor],
     foreach_kernel: Callable[..., Sequence[Tensor]] | None,
 ) -> Any:
     if operand_is_tree:
-        return map_leaves_n(leaf_op, tree, (other,), REFUSE, ("other",))
-    return map_leaves(lambda leaf: leaf_op(leaf, other), tree, REFUSE)
+        return map_leaves_n(checked, tree, (other,), REFUSE, ("other",))
+    return map_leaves(lambda leaf: checked(leaf, other), tree, REFUSE)
 
 
-def _one_foreach_call(flat: DictLeaves, scalar: Any) -> bool:
+def _one_foreach_call(flat: DictLeaves, scalar: Any, floats: bool) -> bool:
     """Whether one foreach call is exactly the per-leaf op, and saves its Python dispatch.
 
     Only for plain tensors (no subclass with its own dispatch), a Python number (foreach kernels
     promote a 0-dim tensor or a numpy scalar differently from the per-tensor ops), and where
-    `foreach_allowed` says so (no ``torch.func`` transform, nothing recorded by autograd).
+    `foreach_allowed` says so (no ``torch.func`` transform, nothing recorded by autograd). A
+    float number over leaves that are not all ``floats`` (floating-point) goes leaf by leaf,
+    where an integer leaf is refused.
     """
     return (
         flat.exact
         and type(scalar) in _SCALAR_TYPES
         and bool(flat.leaves)
+        and (floats or type(scalar) is not float)
         and foreach_allowed(flat.leaves)
     )

@@ -15,6 +15,7 @@ from torch import nn
 from .attention import MultiheadAttentionKernel, folded_attention, multihead_attention_kernel
 from .base import Home, Kernel, KernelContext, NoKernel, NotStacked
 from .conv import ConvolutionKernel
+from .dropout import DropoutKernel, dropout_members
 from .embedding import embedding_kernel
 from .linear import LinearKernel, TransposedLinearKernel, is_hugging_face_conv1d
 from .norm import BatchNormKernel, GroupNormKernel, LayerNormKernel, rms_norm_kernel
@@ -35,6 +36,7 @@ _BUILDERS: dict[type[nn.Module], Builder] = {
     nn.GroupNorm: GroupNormKernel,
     nn.Embedding: embedding_kernel,
     nn.MultiheadAttention: multihead_attention_kernel,
+    nn.Dropout: DropoutKernel,
     **dict.fromkeys(POOLS, pool_kernel),
 }
 
@@ -87,11 +89,13 @@ def kernel_for(
 __all__ = [
     "ELEMENTWISE",
     "KERNEL_TYPES",
+    "DropoutKernel",
     "Home",
     "Kernel",
     "KernelContext",
     "MultiheadAttentionKernel",
     "NoKernel",
+    "dropout_members",
     "folded_attention",
     "kernel_for",
 ]
