@@ -2,10 +2,10 @@
 
 A DCP directory holds two kinds of pickle: ``.metadata`` (DCP's own dataclasses) and, inside
 the ``.distcp`` files, one ``torch.save`` archive per non-tensor value (tensors DCP itself reads
-with ``weights_only=True``). ``RestrictedReader`` is the ``FileSystemReader`` that ``dcp.load``
-is given: it reads ``.metadata`` once, with an unpickler that resolves only DCP's metadata
-classes and torch's value types, and checks the result's fields. ``RestrictedPlanner`` reads
-the values with ``torch.load(weights_only=True)``. ``check_value`` refuses at save time a value
+with ``weights_only=True``). ``Reader`` is the ``FileSystemReader`` that ``dcp.load`` is
+given: it reads ``.metadata`` once, with an unpickler that resolves only DCP's metadata classes
+and torch's value types, and checks the result's fields. ``RestrictedPlanner`` reads the
+values with ``torch.load(weights_only=True)``. ``check_value`` refuses at save time a value
 that the planner would refuse at load time.
 """
 
@@ -184,23 +184,28 @@ def _storage_info_problem(info: Any) -> str | None:
     return None
 
 
-class RestrictedReader(filesystem.FileSystemReader):
-    """DCP's file system reader with ``.metadata`` read by the restricted unpickler, once.
+class Reader(filesystem.FileSystemReader):
+    """DCP's file system reader, reading ``.metadata`` once: with the restricted unpickler, or
+    with ``pickle.load`` (as DCP does) when ``weights_only`` is false.
 
     ``load_distributed`` reads the metadata first, to check ``like`` against it; ``dcp.load``
     then asks this same reader again and gets that same object: the file is read one time.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, weights_only: bool) -> None:
         super().__init__(path)
         self._name = os.fspath(path)
+        self._weights_only = weights_only
         self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")  # DCP's fallback to a rank's own __<rank>.metadata
         if rank is not None or self._metadata is None:
             with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
-                metadata = read_metadata_file(stream, self._name)
+                if self._weights_only:
+                    metadata = read_metadata_file(stream, self._name)
+                else:
+                    metadata = pickle.load(stream)  # trusted: runs what the pickle holds
             if rank is not None:
                 return self._with_load_id(metadata)
             self._metadata = metadata
@@ -208,7 +213,7 @@ class RestrictedReader(filesystem.FileSystemReader):
 
     def _with_load_id(self, metadata: Metadata) -> Metadata:
         # As FileSystemReader.read_metadata does: this load's id goes into the metadata.
-        if metadata.storage_meta is None:
+        if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

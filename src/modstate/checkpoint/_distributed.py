@@ -174,7 +174,7 @@ def load_distributed(
     prefixes = tuple(as_saved)
     flat_like = flat_tree("load_distributed", like)
     flat_like = {p: leaf for p, leaf in flat_like.items() if not _dcp.under(p, prefixes)}
-    reader = _dcp_reader.RestrictedReader(name) if weights_only else dcp.FileSystemReader(name)
+    reader = _dcp_reader.Reader(name, weights_only=weights_only)
     metadata = _dcp.read_metadata(name, reader)
     saved_as_is = _dcp.as_saved_targets(name, metadata, prefixes)
     _dcp.check_compatible(name, flat_like, metadata, strict=strict, as_saved=prefixes)
