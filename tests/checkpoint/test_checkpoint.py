@@ -6,10 +6,12 @@ groups in tests/distributed/.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import struct
 import warnings
+import zlib
 
 import pytest
 import safetensors
@@ -405,6 +407,48 @@ def test_a_damaged_modstate_record_is_refused(saved_file):
     replace_in_header(saved_file, b"order", b"orde!")
     with pytest.raises(ValueError, match="corrupted modstate record"):
         checkpoint.load(saved_file)
+
+
+def write_with_record(path, tensors, record_text):
+    """A safetensors file whose modstate record is ``record_text``, made by hand."""
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt", "modstate": record_text})
+
+
+def test_a_record_nested_too_deep_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    write_with_record(path, {"w": torch.ones(2)}, "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"^checkpoint\.load: '.*deep\.safetensors': .*nested"):
+        checkpoint.load(path)
+
+
+def test_a_record_whose_paths_conflict_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "conflict.safetensors"
+    weight = torch.ones(2)
+    record = {
+        "version": 1,
+        "order": ["w", "w.x"],
+        "ties": {},
+        "values": {"w": 1},
+        "crc32": {"w.x": zlib.crc32(weight.numpy().tobytes())},
+    }
+    write_with_record(path, {"w.x": weight}, json.dumps(record))
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint\.load: '.*conflict\.safetensors': .*'w' is a leaf and 'w\.x'",
+    ):
+        checkpoint.load(path)
+
+
+def test_a_foreign_file_whose_names_conflict_is_refused_and_the_fix_works(tmp_path):
+    path = tmp_path / "foreign.safetensors"
+    tensors = {"w": torch.ones(2), "w.x": torch.zeros(3)}
+    safetensors.torch.save_file(tensors, path)  # no modstate record
+    with pytest.raises(
+        ValueError, match=r"'.*foreign\.safetensors': .*'w' is a leaf and 'w\.x'.*load_file"
+    ):
+        checkpoint.load(path)
+    flat = safetensors.torch.load_file(path)  # the fix: the flat names
+    assert sorted(flat) == ["w", "w.x"] and torch.equal(flat["w.x"], torch.zeros(3))
 
 
 def test_arguments_in_the_wrong_order_name_the_order_and_the_fix_works(tmp_path):
