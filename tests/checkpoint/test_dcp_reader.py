@@ -197,6 +197,10 @@ WRONG_FIELDS = {
         lambda m: _tensor_with_size(m, torch.Size([2, 3, 1])),
         "'model.weight' has a chunk that is not 3-d",
     ),
+    "an entry without its data": (
+        lambda m: Metadata(m.state_dict_metadata, storage_data={}),
+        "'model.weight' has no storage record of its data",
+    ),
     "a data file outside the directory": (
         lambda m: _data_file(m, "../../elsewhere.distcp"),
         "names the file '../../elsewhere.distcp', which is not inside the checkpoint",

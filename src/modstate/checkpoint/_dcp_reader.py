@@ -17,7 +17,7 @@ import os
 import pathlib
 import pickle
 import re
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import filesystem
@@ -121,38 +121,9 @@ def _fields_problem(metadata: Any) -> str | None:
     meta = dcp_metadata
     if type(metadata) is not meta.Metadata:
         return f"it holds a {type(metadata).__name__}, not a Metadata"
-    entries = metadata.state_dict_metadata
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if type(entries) is not dict:
         return "state_dict_metadata is not a dict"
-    for fqn, entry in entries.items():
-        if type(fqn) is not str:
-            return f"the key {fqn!r} of state_dict_metadata is not a str"
-        if type(entry) is meta.BytesStorageMetadata:
-            continue
-        if type(entry) is not meta.TensorStorageMetadata:
-            return f"{fqn!r} is a {type(entry).__name__}, not a tensor or bytes entry"
-        if type(entry.properties) is not meta.TensorProperties or not isinstance(
-            entry.properties.dtype, torch.dtype
-        ):
-            return f"{fqn!r} has no valid tensor properties"
-        if type(entry.size) is not torch.Size or type(entry.chunks) is not list:
-            return f"{fqn!r} has no valid size or chunk list"
-        for chunk in entry.chunks:
-            if not (
-                type(chunk) is meta.ChunkStorageMetadata
-                and type(chunk.offsets) is torch.Size
-                and type(chunk.sizes) is torch.Size
-                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
-            ):
-                return f"{fqn!r} has a chunk that is not {len(entry.size)}-d offsets and sizes"
-    planner_data = metadata.planner_data
-    if planner_data is not None:
-        if type(planner_data) is not dict:
-            return "planner_data is not a dict"
-        for fqn, keys in planner_data.items():
-            if type(keys) is not tuple or not all(type(key) in (str, int) for key in keys):
-                return f"planner_data of {fqn!r} is not a tuple of keys"
-    storage = metadata.storage_data
     if type(storage) is not dict:
         return "storage_data is not a dict"
     for index, info in storage.items():
@@ -161,11 +132,54 @@ def _fields_problem(metadata: Any) -> str | None:
         problem = _storage_info_problem(info)
         if problem is not None:
             return f"the storage of {index.fqn!r} {problem}"
+    for fqn, entry in entries.items():
+        problem = _entry_problem(fqn, entry)
+        if problem is not None:
+            return problem
+        # Where DCP will look each piece up when it reads (a missing one is a KeyError there).
+        if isinstance(entry, meta.TensorStorageMetadata):
+            pieces = [meta.MetadataIndex(fqn, chunk.offsets) for chunk in entry.chunks]
+        else:
+            pieces = [meta.MetadataIndex(fqn)]
+        if any(piece not in storage for piece in pieces):
+            return f"{fqn!r} has no storage record of its data"
+    planner_data = metadata.planner_data
+    if planner_data is not None:
+        if type(planner_data) is not dict:
+            return "planner_data is not a dict"
+        for fqn, keys in planner_data.items():
+            if type(keys) is not tuple or not all(type(key) in (str, int) for key in keys):
+                return f"planner_data of {fqn!r} is not a tuple of keys"
     storage_meta = metadata.storage_meta
     if storage_meta is not None and type(storage_meta) is not meta.StorageMeta:
         return "storage_meta is not a StorageMeta"
     if metadata.version is not None and type(metadata.version) is not str:
         return "version is not a str"
+    return None
+
+
+def _entry_problem(fqn: Any, entry: Any) -> str | None:
+    meta = dcp_metadata
+    if type(fqn) is not str:
+        return f"the key {fqn!r} of state_dict_metadata is not a str"
+    if type(entry) is meta.BytesStorageMetadata:
+        return None
+    if type(entry) is not meta.TensorStorageMetadata:
+        return f"{fqn!r} is a {type(entry).__name__}, not a tensor or bytes entry"
+    if type(entry.properties) is not meta.TensorProperties or not isinstance(
+        entry.properties.dtype, torch.dtype
+    ):
+        return f"{fqn!r} has no valid tensor properties"
+    if type(entry.size) is not torch.Size or type(entry.chunks) is not list:
+        return f"{fqn!r} has no valid size or chunk list"
+    for chunk in entry.chunks:
+        if not (
+            type(chunk) is meta.ChunkStorageMetadata
+            and type(chunk.offsets) is torch.Size
+            and type(chunk.sizes) is torch.Size
+            and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+        ):
+            return f"{fqn!r} has a chunk that is not {len(entry.size)}-d offsets and sizes"
     return None
 
 
@@ -203,7 +217,7 @@ class Reader(filesystem.FileSystemReader):
         if rank is not None or self._metadata is None:
             with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
                 if self._weights_only:
-                    metadata = read_metadata_file(stream, self._name)
+                    metadata = read_metadata_file(cast(IO[bytes], stream), self._name)
                 else:
                     metadata = pickle.load(stream)  # trusted: runs what the pickle holds
             if rank is not None:
@@ -213,9 +227,10 @@ class Reader(filesystem.FileSystemReader):
 
     def _with_load_id(self, metadata: Metadata) -> Metadata:
         # As FileSystemReader.read_metadata does: this load's id goes into the metadata.
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
