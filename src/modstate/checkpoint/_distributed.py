@@ -20,14 +20,17 @@ def save_distributed(
     Call it on every rank of the process group (collective). DTensor leaves, such as those of a
     model sharded by ``fully_shard`` or ``parallelize_module``, are written as their shards, each
     by the rank that holds it; plain tensor leaves count as replicated and are written once (they
-    must be equal on all ranks); non-tensor leaves are kept as DCP keeps them (pickled), and must
-    be values that ``load_distributed`` reads back without running code: ``None``, bool, int,
-    float, str, ``torch.Size``, dtypes, tensors, and tuples, lists and dicts of those (what
-    ``torch.load(weights_only=True)`` reads). Without a process
-    group it writes from this one process. Keys are the ``flatten`` paths, so the directory is an
-    ordinary DCP checkpoint of a state_dict-style dict: ``torch.distributed.checkpoint`` tools
-    read it, and checkpoints that torch wrote from ``model.state_dict()`` load with
-    ``load_distributed``.
+    must be equal on all ranks); non-tensor leaves are pickled, as DCP keeps them. Without a
+    process group it writes from this one process. Keys are the ``flatten`` paths, so the
+    directory is an ordinary DCP checkpoint of a state_dict-style dict:
+    ``torch.distributed.checkpoint`` tools read it, and checkpoints that torch wrote from
+    ``model.state_dict()`` load with ``load_distributed``.
+
+    Non-tensor leaves must be values that ``load_distributed`` reads back without running code,
+    what ``torch.load(weights_only=True)`` reads: ``None``, bool, int, float, str,
+    ``torch.Size``, dtypes, tensors, and tuples, lists and dicts of those. Each is pickled and
+    read back that way before anything is written; one that fails is refused, naming its path,
+    so a save never writes a checkpoint that its own load would refuse.
 
     Commit protocol: the ranks write into a staging directory beside ``directory``
     (``.<name>.modstate-partial``), and the first rank renames it to ``directory`` once every
@@ -38,7 +41,7 @@ def save_distributed(
     All ranks must see one file system (as DCP's file system writer requires).
 
     Args:
-        tree: A nested dict of tensors, DTensors and such values, such as
+        tree: A nested dict of tensors, DTensors and non-tensor values (see above), such as
             ``{"model": ms.extract(model), "optimizer": ms.optim.optimizer_state(opt, model)}``.
             Keys must be non-empty and dot-free.
         directory: The checkpoint directory (created, with its parents, if missing).
@@ -50,8 +53,8 @@ def save_distributed(
 
     Raises:
         TypeError: ``tree`` is not a dict, the arguments are swapped, or a non-tensor leaf is a
-            value ``load_distributed`` could not read back (the message names its path and the
-            global it would call); nothing is written then.
+            value ``load_distributed`` could not read back (the message names its path and
+            what its pickle calls); nothing is written then.
         ValueError: A key is empty or holds a dot, or a leaf is a meta tensor.
         NotADirectoryError: ``directory`` is a file.
         FileExistsError: ``directory`` holds files that are not part of a checkpoint.
@@ -112,11 +115,12 @@ def load_distributed(
     [`save_distributed`][modstate.checkpoint.save_distributed]).
 
     Loading runs no code from the checkpoint. DCP stores its ``.metadata`` and each non-tensor
-    value as pickles; ``load_distributed`` reads ``.metadata`` with an unpickler that resolves
-    only DCP's metadata classes and torch's value types (``torch.Size``, dtypes, layouts,
-    devices), and the values with ``torch.load(weights_only=True)``, the reader DCP already uses
-    for tensors. Any other global a pickle names is refused before it is called, with a
-    ``ValueError`` naming the directory (or the value's path) and the global. (Calling
+    value as pickles; ``load_distributed`` reads ``.metadata`` once, with an unpickler that
+    resolves only DCP's metadata classes and torch's value types (``torch.Size``, dtypes,
+    layouts, devices, paths), checks its fields, and gives that same reader to DCP for the load;
+    the values it reads with ``torch.load(weights_only=True)``, as DCP reads tensors. Any other
+    global a pickle names is refused before it is called, with a ``ValueError`` naming the
+    directory (and the value's path) and the global, on every rank. (Calling
     ``torch.distributed.checkpoint.load`` yourself on the same directory does not get this.)
 
     ``as_saved`` lists dotted paths (``"optimizer"``) under which ``like`` is not needed: every
