@@ -176,7 +176,7 @@ def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> 
 
     try:
         record = json.loads(text)
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # JSONDecodeError, or an int past Python's 4300-digit limit
         raise corrupted(f"invalid JSON ({error})") from error
     except RecursionError:  # the decoder recurses once per level of nesting
         raise corrupted("JSON nested deeper than Python's recursion limit") from None
