@@ -217,6 +217,18 @@ def test_a_metadata_of_allowed_classes_with_wrong_fields_is_refused(saved, tmp_p
     assert match in message
 
 
+def test_a_checkpoint_whose_paths_conflict_is_refused_naming_it(tmp_path):
+    directory = tmp_path / "flat"
+    torch_save({"w": torch.ones(2), "w.x": torch.zeros(3)}, directory)  # DCP allows this
+    with pytest.raises(ValueError, match=r"flat': .*'w' is a leaf and 'w\.x' continues it"):
+        checkpoint.load_distributed(directory, {}, as_saved=["w"])
+
+    # The fix: one of the two at a time.
+    w = checkpoint.load_distributed(directory, {"w": torch.empty(2)}, strict=False)["w"]
+    wx = checkpoint.load_distributed(directory, {}, as_saved=["w.x"], strict=False)["w"]["x"]
+    assert torch.equal(w, torch.ones(2)) and torch.equal(wx, torch.zeros(3))
+
+
 def test_weights_only_false_runs_what_a_trusted_metadata_holds(saved, tmp_path):
     directory, like, tree = saved
     marker = tmp_path / "marker"

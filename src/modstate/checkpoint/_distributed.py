@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from modstate._core.flat import unflatten
-from modstate.checkpoint._leaves import flat_tree, refuse_swapped_arguments
+from modstate.checkpoint._leaves import flat_tree, path_conflict, refuse_swapped_arguments
 
 # torch.distributed.checkpoint is imported when first used: ``import modstate`` stays light.
 
@@ -184,6 +184,13 @@ def load_distributed(
     _dcp.check_compatible(name, flat_like, metadata, strict=strict, as_saved=prefixes)
     state = _dcp.empty_targets(flat_like, metadata)
     state.update(saved_as_is)
+    conflict = path_conflict(state)  # like is a tree: only the checkpoint's paths can conflict
+    if conflict is not None:
+        raise ValueError(
+            f"checkpoint.load_distributed: {name!r}: the paths it holds do not form a tree: "
+            f"{conflict}; a tree holds only one of the two: name one of them at a time in like "
+            "or as_saved (with strict=False)"
+        )
     planner = _dcp_reader.RestrictedPlanner() if weights_only else None
     with _dcp.single_process_quietly(process_group) as no_dist:
         dcp.load(

@@ -21,14 +21,14 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import safetensors
 import safetensors.torch
 import torch
 
-from modstate.checkpoint._leaves import check_file_tensor, check_json_value
+from modstate.checkpoint._leaves import check_file_tensor, check_json_value, path_conflict
 
 RECORD_KEY = "modstate"
 FORMAT_VERSION = 1
@@ -117,7 +117,7 @@ def read(path: str | os.PathLike, device: torch.device, *, mmap: bool = False) -
     record_text = header.get(RECORD_KEY)
     if record_text is None:
         flat: dict[str, Any] = dict(tensors)
-        conflict = _path_conflict(flat)
+        conflict = path_conflict(flat)
         if conflict is not None:
             raise ValueError(
                 f"checkpoint.load: {name!r}: its tensor names do not form a tree: {conflict}; "
@@ -208,23 +208,10 @@ def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> 
         raise corrupted("the recorded paths do not match the tensors in the file")
     if any(target not in tensors for target in ties.values()) or set(checksums) != set(tensors):
         raise corrupted("ties or checksums refer to tensors that are not in the file")
-    conflict = _path_conflict(order)
+    conflict = path_conflict(order)
     if conflict is not None:
         raise corrupted(conflict)
     return record
-
-
-def _path_conflict(paths: Iterable[str]) -> str | None:
-    """Two paths that ``unflatten`` cannot both place (a leaf and a path under it), or ``None``."""
-    paths = list(paths)
-    seen = set(paths)
-    for path in paths:
-        parts = path.split(".")
-        for end in range(1, len(parts)):
-            prefix = ".".join(parts[:end])
-            if prefix in seen:
-                return f"{prefix!r} is a leaf and {path!r} continues it"
-    return None
 
 
 def _refuse_foreign_file(name: str) -> None:
