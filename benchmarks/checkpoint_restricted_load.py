@@ -17,14 +17,20 @@ untimed warm-up load each:
   (which reads ``.metadata`` again, and the values with ``weights_only=False``);
 - ``weights_only=False``: ``load_distributed(..., weights_only=False)``.
 
-Also ``.metadata`` alone: the restricted read (unpickler and field checks) beside ``pickle.load``.
+The same cases then run on 2 gloo ranks loading into the ``fully_shard`` layout (every rank runs
+each case at once, the order shuffled alike on all ranks, each case starting at a barrier; rank
+0's times are reported). Also the reads alone: ``.metadata`` through the restricted read
+(unpickler and field checks) beside ``pickle.load``, and a value (a tuple, as DCP writes it)
+through ``torch.load`` with ``weights_only=True`` beside ``False``.
+
 Before timing, every case's result is checked against the saved tree. Figures: median and min
-seconds per load, and each case's median over ``before``'s. Run it by hand; nothing else reads it.
+seconds per call, and each load's median over ``before``'s. Run it by hand; nothing else reads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
@@ -34,6 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
+from datetime import timedelta
 
 WIDTH = 2048
 
@@ -55,7 +62,28 @@ def extras() -> dict:
     return {"step": 1000, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}]}
 
 
-def save_rank(rank: int, world_size: int, directory: str, layers: int) -> None:
+def join_group(rank: int, world_size: int, port: int) -> None:
+    """Join the gloo group whose store this script's first process holds on ``port``."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+
+def in_ranks(function, *args) -> None:
+    """``function(rank, 2, port, *args)`` on 2 spawned ranks."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    mp.spawn(function, args=(2, store.port, *args), nprocs=2, join=True)
+    del store
+
+
+def save_rank(rank: int, world_size: int, port: int, directory: str, layers: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -63,16 +91,14 @@ def save_rank(rank: int, world_size: int, directory: str, layers: int) -> None:
     import modstate as ms
     from modstate import checkpoint
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world_size
-    )
+    join_group(rank, world_size, port)
     mesh = init_device_mesh("cpu", (world_size,))
     model = make_model(layers)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     checkpoint.save_distributed({"model": ms.extract(model), **extras()}, f"{directory}/ckpt")
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
@@ -87,43 +113,110 @@ def load_as_before(directory: str, like: dict) -> dict:
     metadata = _dcp.read_metadata(directory, dcp.FileSystemReader(directory))
     _dcp.check_compatible(directory, flat_like, metadata, strict=True)
     state = _dcp.empty_targets(flat_like, metadata)
-    with _dcp.single_process_quietly(None) as no_dist:
+    with _dcp.single_process_quietly(None) as no_dist:  # the default group, if there is one
         dcp.load(state, checkpoint_id=directory, no_dist=no_dist)
     return ms.unflatten(dict(state))
 
 
+def cases_for(directory: str, like: dict) -> dict:
+    from modstate import checkpoint
+
+    return {
+        "restricted": lambda: checkpoint.load_distributed(directory, like),
+        "before": lambda: load_as_before(directory, like),
+        "weights_only=False": lambda: checkpoint.load_distributed(
+            directory, like, weights_only=False
+        ),
+    }
+
+
+def check(name: str, loaded: dict, saved: dict) -> None:
+    """``loaded`` holds ``saved`` (DTensor leaves are gathered: a collective on ranks)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import modstate as ms
+
+    assert loaded["step"] == saved["step"], name
+    assert loaded["param_groups"] == saved["param_groups"], name
+    for path, want in ms.flatten(saved["model"]).items():
+        got = ms.flatten(loaded["model"])[path]
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        assert torch.equal(got, want), (name, path)
+
+
+def timed_rounds(cases: dict, rounds: int, seed: int, barrier=None) -> dict[str, list[float]]:
+    """Seconds per call of each case, ``rounds`` times in an order shuffled by ``seed``."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    order, shuffle = list(cases), random.Random(seed)
+    for _ in range(rounds):
+        shuffle.shuffle(order)
+        for name in order:
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            cases[name]()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def load_rank(rank: int, world_size: int, port: int, root: str, layers: int, rounds: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import modstate as ms
+    import modstate.tree  # ms.tree
+
+    join_group(rank, world_size, port)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = make_model(layers)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    like = {"model": ms.tree.detach(ms.extract(model)), "step": None, "param_groups": None}
+    saved = {"model": ms.extract(make_model(layers), detach=True), **extras()}
+    cases = cases_for(f"{root}/ckpt", like)
+    for name, case in cases.items():  # the check, and the warm-up
+        check(name, case(), saved)
+    samples = timed_rounds(cases, rounds, seed=rounds, barrier=dist.barrier)
+    if rank == 0:
+        with open(f"{root}/ranks.json", "w") as handle:
+            json.dump(samples, handle)
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+def figures_of(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    figures = {
+        name: {"median": statistics.median(values), "min": min(values)}
+        for name, values in samples.items()
+    }
+    for figure in figures.values():
+        if "before" in samples:
+            figure["vs before"] = figure["median"] / figures["before"]["median"]
+    return figures
+
+
 def measure(mib: float = 100, rounds: int = 15) -> dict[str, object]:
     import torch
-    import torch.multiprocessing as mp
     from torch.distributed.checkpoint.metadata import Metadata
 
     import modstate as ms
     import modstate.tree  # ms.tree
-    from modstate import checkpoint
     from modstate.checkpoint import _dcp_reader
 
     torch.set_num_threads(1)
     layers = layers_for(mib)
     with tempfile.TemporaryDirectory(prefix="modstate-restricted-") as root:
-        mp.start_processes(save_rank, args=(2, root, layers), nprocs=2, start_method="spawn")
+        in_ranks(save_rank, root, layers)
         directory = f"{root}/ckpt"
         size = sum(os.path.getsize(f"{directory}/{name}") for name in os.listdir(directory))
         saved = {"model": ms.extract(make_model(layers), detach=True), **extras()}
         like = {"model": ms.tree.zeros_like(saved["model"]), "step": None, "param_groups": None}
-
-        cases = {
-            "restricted": lambda: checkpoint.load_distributed(directory, like),
-            "before": lambda: load_as_before(directory, like),
-            "weights_only=False": lambda: checkpoint.load_distributed(
-                directory, like, weights_only=False
-            ),
-        }
+        cases = cases_for(directory, like)
         for name, case in cases.items():  # the check, and the warm-up
-            loaded = case()
-            assert loaded["step"] == saved["step"], name
-            assert loaded["param_groups"] == saved["param_groups"], name
-            for path, want in ms.flatten(saved["model"]).items():
-                assert torch.equal(ms.flatten(loaded["model"])[path], want), (name, path)
+            check(name, case(), saved)
 
         def read_restricted() -> Metadata:
             with open(f"{directory}/.metadata", "rb") as stream:
@@ -133,28 +226,41 @@ def measure(mib: float = 100, rounds: int = 15) -> dict[str, object]:
             with open(f"{directory}/.metadata", "rb") as stream:
                 return pickle.load(stream)  # what FileSystemReader does: our own checkpoint
 
-        reads = {"metadata restricted": read_restricted, "metadata pickle.load": read_pickle}
-        samples: dict[str, list[float]] = {name: [] for name in [*cases, *reads]}
-        order = list(cases)
-        for _ in range(rounds):
-            random.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                cases[name]()
-                samples[name].append(time.perf_counter() - start)
-            for name, read in reads.items():  # 100 reads per sample: each is well under 1 ms
-                start = time.perf_counter()
-                for _ in range(100):
-                    read()
-                samples[name].append((time.perf_counter() - start) / 100)
+        def hundred(read):  # one read is well under a millisecond: time 100 per sample
+            return lambda: [read() for _ in range(100)]
 
-    figures = {
-        name: {"median": statistics.median(values), "min": min(values)}
-        for name, values in samples.items()
+        value = io.BytesIO()
+        torch.save(extras()["param_groups"][0]["betas"], value)  # a byte item, as DCP writes it
+
+        def value_restricted() -> object:
+            return _dcp_reader.load_value(io.BytesIO(value.getvalue()))
+
+        def value_unrestricted() -> object:
+            return torch.load(io.BytesIO(value.getvalue()), weights_only=False)  # as DCP does
+
+        one_process = timed_rounds(cases, rounds, seed=0)
+        reads = timed_rounds(
+            {
+                "metadata restricted": hundred(read_restricted),
+                "metadata pickle.load": hundred(read_pickle),
+                "value weights_only": hundred(value_restricted),
+                "value unrestricted": hundred(value_unrestricted),
+            },
+            rounds,
+            seed=1,
+        )
+        reads = {name: [t / 100 for t in values] for name, values in reads.items()}
+        in_ranks(load_rank, root, layers, rounds)
+        with open(f"{root}/ranks.json") as handle:
+            on_ranks = json.load(handle)
+    return {
+        "checkpoint bytes": size,
+        "layers": layers,
+        "rounds": rounds,
+        "one process": figures_of(one_process),
+        "2 ranks": figures_of(on_ranks),
+        "reads": figures_of(reads),
     }
-    for name in cases:
-        figures[name]["vs before"] = figures[name]["median"] / figures["before"]["median"]
-    return {"checkpoint bytes": size, "layers": layers, "rounds": rounds, "seconds": figures}
 
 
 def main() -> None:
@@ -171,15 +277,17 @@ def main() -> None:
         return
     print(
         f"checkpoint: {result['checkpoint bytes'] / 2**20:.1f} MiB in {result['layers']} layers, "
-        f"saved by 2 ranks; loaded in one process, {result['rounds']} rounds"
+        f"saved by 2 ranks; {result['rounds']} rounds; median and min per call"
     )
-    for name, figure in result["seconds"].items():  # type: ignore[attr-defined]
-        ratio = f"  {figure['vs before']:.3f}x before" if "vs before" in figure else ""
-        scale, unit = (1e3, "ms") if figure["median"] > 1e-3 else (1e6, "us")
-        print(
-            f"  {name:22s} median {figure['median'] * scale:8.2f} {unit}  "
-            f"min {figure['min'] * scale:8.2f} {unit}{ratio}"
-        )
+    for table in ("one process", "2 ranks", "reads"):
+        print(f"{table}:")
+        for name, figure in result[table].items():  # type: ignore[attr-defined]
+            ratio = f"  {figure['vs before']:.3f}x before" if "vs before" in figure else ""
+            scale, unit = (1e3, "ms") if figure["median"] > 1e-3 else (1e6, "us")
+            print(
+                f"  {name:20s} {figure['median'] * scale:8.2f} {unit}  "
+                f"min {figure['min'] * scale:8.2f} {unit}{ratio}"
+            )
 
 
 if __name__ == "__main__":
