@@ -24,7 +24,9 @@ each case at once, the order shuffled alike on all ranks, each case starting at 
 through ``torch.load`` with ``weights_only=True`` beside ``False``.
 
 Before timing, every case's result is checked against the saved tree. Figures: median and min
-seconds per call, and each load's median over ``before``'s. Run it by hand; nothing else reads it.
+seconds per call; each load's median over ``before``'s, and the median of its per-round ratios
+to ``before`` (both ran in the same round, so a busy machine's drift between rounds cancels).
+Run it by hand; nothing else reads it.
 """
 
 from __future__ import annotations
@@ -192,9 +194,12 @@ def figures_of(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         name: {"median": statistics.median(values), "min": min(values)}
         for name, values in samples.items()
     }
-    for figure in figures.values():
-        if "before" in samples:
+    if "before" in samples:
+        for name, figure in figures.items():
             figure["vs before"] = figure["median"] / figures["before"]["median"]
+            # A busy machine drifts between rounds: each round's pair, then their median.
+            pairs = zip(samples[name], samples["before"], strict=True)
+            figure["paired"] = statistics.median(mine / theirs for mine, theirs in pairs)
     return figures
 
 
@@ -282,7 +287,9 @@ def main() -> None:
     for table in ("one process", "2 ranks", "reads"):
         print(f"{table}:")
         for name, figure in result[table].items():  # type: ignore[attr-defined]
-            ratio = f"  {figure['vs before']:.3f}x before" if "vs before" in figure else ""
+            ratio = ""
+            if "vs before" in figure:
+                ratio = f"  {figure['vs before']:.3f}x before (per round {figure['paired']:.3f}x)"
             scale, unit = (1e3, "ms") if figure["median"] > 1e-3 else (1e6, "us")
             print(
                 f"  {name:20s} {figure['median'] * scale:8.2f} {unit}  "

@@ -126,22 +126,26 @@ def _fields_problem(metadata: Any) -> str | None:
         return "state_dict_metadata is not a dict"
     if type(storage) is not dict:
         return "storage_data is not a dict"
+    # (fqn, offsets) of each record: what DCP's reads look a piece up by (MetadataIndex's hash).
+    stored: set[tuple[str, torch.Size | None]] = set()
     for index, info in storage.items():
         if type(index) is not meta.MetadataIndex or type(index.fqn) is not str:
             return f"storage_data has a key {index!r} that is not a MetadataIndex"
         problem = _storage_info_problem(info)
         if problem is not None:
             return f"the storage of {index.fqn!r} {problem}"
+        stored.add((index.fqn, index.offset))
     for fqn, entry in entries.items():
         problem = _entry_problem(fqn, entry)
         if problem is not None:
             return problem
-        # Where DCP will look each piece up when it reads (a missing one is a KeyError there).
+        # Every piece DCP will read needs its record (a missing one is a KeyError inside DCP).
+        pieces: list[tuple[str, torch.Size | None]]
         if isinstance(entry, meta.TensorStorageMetadata):
-            pieces = [meta.MetadataIndex(fqn, chunk.offsets) for chunk in entry.chunks]
+            pieces = [(fqn, chunk.offsets) for chunk in entry.chunks]
         else:
-            pieces = [meta.MetadataIndex(fqn)]
-        if any(piece not in storage for piece in pieces):
+            pieces = [(fqn, None)]
+        if any(piece not in stored for piece in pieces):
             return f"{fqn!r} has no storage record of its data"
     planner_data = metadata.planner_data
     if planner_data is not None:
