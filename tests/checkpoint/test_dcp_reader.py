@@ -239,10 +239,11 @@ def test_weights_only_false_runs_what_a_trusted_metadata_holds(saved, tmp_path):
     loaded = checkpoint.load_distributed(directory, like, weights_only=False)  # the fix
 
     assert marker.is_dir()  # trusting a checkpoint means running what it holds
+    # ... once: a second read (DCP's own, inside dcp.load) would fail on the existing marker.
     assert torch.equal(loaded["model"]["weight"], tree["model"]["weight"])
 
 
-def test_the_metadata_is_read_once_by_the_restricted_reader(saved, monkeypatch):
+def test_the_load_never_reads_the_metadata_with_pickle_load(saved, monkeypatch):
     directory, like, tree = saved
 
     def unrestricted(*args, **kwargs):
