@@ -25,6 +25,7 @@ Scenarios:
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -227,16 +228,26 @@ def refused_on_every_rank(directory: str, ranks: str) -> None:
 
 
 class DiesWhenPickled:
-    """A leaf that SIGKILLs the process when DCP pickles it, in the middle of writing."""
+    """A leaf that SIGKILLs the process when DCP pickles it, in the middle of writing.
+
+    save_distributed first pickles every non-tensor leaf to check that it loads back (before
+    anything is written): that pickling gets an empty OrderedDict, which loads back. Once the
+    staging directory exists (the write has begun), pickling kills.
+    """
+
+    def __init__(self, directory: str) -> None:
+        parent, name = os.path.split(os.path.abspath(directory))
+        self.staging = os.path.join(parent, f".{name}.modstate-partial")
 
     def __reduce__(self):
-        os.kill(os.getpid(), signal.SIGKILL)
-        return (int, (0,))
+        if os.path.isdir(self.staging):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (collections.OrderedDict, ())
 
 
 def die_in_distributed_save(directory: str) -> None:
     tree = tree_number(7)
-    tree["dies"] = DiesWhenPickled()
+    tree["dies"] = DiesWhenPickled(directory)
     pid = os.fork()
     if pid == 0:
         try:

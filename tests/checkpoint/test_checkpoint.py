@@ -6,10 +6,12 @@ groups in tests/distributed/.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import struct
 import warnings
+import zlib
 
 import pytest
 import safetensors
@@ -426,6 +428,88 @@ def test_a_record_that_places_a_tuple_where_no_list_is_is_refused(tmp_path):
     replace_in_header(path, b'\\"betas\\"]', b'\\"decay\\"]')
     with pytest.raises(ValueError, match=r"'groups': the record places a tuple at \[0, 'decay'"):
         checkpoint.load(path)
+
+
+def write_with_record(path, tensors, record_text):
+    """A safetensors file whose modstate record is ``record_text``, made by hand."""
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt", "modstate": record_text})
+
+
+def test_a_record_nested_too_deep_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    write_with_record(path, {"w": torch.ones(2)}, "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"^checkpoint\.load: '.*deep\.safetensors': .*nested"):
+        checkpoint.load(path)
+
+
+_paths = st.sampled_from(["w", "b", "v", "w.x", "v.y", "", "a..b"])
+_fields = st.none() | st.integers() | st.text(max_size=3) | st.lists(_paths, max_size=4)
+_fields |= st.dictionaries(_paths, _paths | st.integers() | st.none(), max_size=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    extra=st.lists(_paths, max_size=3, unique=True),
+    changes=st.dictionaries(st.sampled_from(["order", "ties", "values", "crc32"]), _fields),
+)
+def test_any_damaged_record_loads_or_is_a_value_error_naming_the_file(
+    tmp_path_factory, extra, changes
+):
+    tensors = {"w": torch.ones(2), "b": torch.zeros(3)}
+    record = {
+        "version": 1,
+        "order": ["w", "b", "v", *extra],  # extra paths hold values: they may conflict
+        "ties": {},
+        "values": {"v": 1, **dict.fromkeys(extra, 2)},
+        "crc32": {path: zlib.crc32(t.numpy().tobytes()) for path, t in tensors.items()},
+        **changes,
+    }
+    path = tmp_path_factory.mktemp("damaged") / "damaged.safetensors"
+    write_with_record(path, tensors, json.dumps(record))
+    try:
+        checkpoint.load(path)
+    except ValueError as error:
+        assert str(error).startswith(f"checkpoint.load: {str(path)!r}: "), error
+
+
+def test_a_record_with_an_int_past_pythons_digit_limit_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "digits.safetensors"
+    record = '{"version": 1, "order": ["w"], "ties": {}, "values": {}, "crc32": {"w": 1%s}}'
+    write_with_record(path, {"w": torch.ones(2)}, record % ("0" * 5000))
+    with pytest.raises(
+        ValueError, match=r"^checkpoint\.load: '.*digits\.safetensors': .*corrupted"
+    ):
+        checkpoint.load(path)
+
+
+def test_a_record_whose_paths_conflict_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "conflict.safetensors"
+    weight = torch.ones(2)
+    record = {
+        "version": 1,
+        "order": ["w", "w.x"],
+        "ties": {},
+        "values": {"w": 1},
+        "crc32": {"w.x": zlib.crc32(weight.numpy().tobytes())},
+    }
+    write_with_record(path, {"w.x": weight}, json.dumps(record))
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint\.load: '.*conflict\.safetensors': .*'w' is a leaf and 'w\.x'",
+    ):
+        checkpoint.load(path)
+
+
+def test_a_foreign_file_whose_names_conflict_is_refused_and_the_fix_works(tmp_path):
+    path = tmp_path / "foreign.safetensors"
+    tensors = {"w": torch.ones(2), "w.x": torch.zeros(3)}
+    safetensors.torch.save_file(tensors, path)  # no modstate record
+    with pytest.raises(
+        ValueError, match=r"'.*foreign\.safetensors': .*'w' is a leaf and 'w\.x'.*load_file"
+    ):
+        checkpoint.load(path)
+    flat = safetensors.torch.load_file(path)  # the fix: the flat names
+    assert sorted(flat) == ["w", "w.x"] and torch.equal(flat["w.x"], torch.zeros(3))
 
 
 def test_arguments_in_the_wrong_order_name_the_order_and_the_fix_works(tmp_path):

@@ -11,6 +11,7 @@ references on disk for the later stages.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -261,6 +262,62 @@ def load_on_three_ranks(rank: int, world_size: int, directory: str) -> bool:
 
 def test_a_checkpoint_written_by_two_ranks_loads_on_three(three_rank_stages):
     assert three_rank_stages["load_on_three_ranks"] == [True] * 3
+
+
+# --- crafted checkpoints: refused on every rank, before their code runs ------------------
+
+
+class MakesADirectoryWhenUnpickled:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@stage(2)
+def write_crafted_checkpoints_on_two_ranks(rank: int, world_size: int, directory: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    out = Path(directory)
+    marker = out / "crafted-marker"
+    model = shard_fsdp2(tiny_model(0), init_device_mesh("cpu", (world_size,)))
+    # torch's own dcp.save pickles any value; save_distributed would refuse this one.
+    state = {**get_model_state_dict(model), "payload": MakesADirectoryWhenUnpickled(marker)}
+    dcp.save(state, checkpoint_id=str(out / "crafted-value"))
+    if rank == 0:  # the tensor-parallel checkpoint, its .metadata hiding a call
+        shutil.copytree(out / "tp", out / "crafted-metadata")
+        metadata = dcp.FileSystemReader(str(out / "tp")).read_metadata()
+        metadata.version = MakesADirectoryWhenUnpickled(marker)
+        (out / "crafted-metadata" / ".metadata").write_bytes(pickle.dumps(metadata))
+    return not marker.exists()
+
+
+@stage(3)
+def refuse_crafted_checkpoints_on_three_ranks(rank: int, world_size: int, directory: str) -> bool:
+    out = Path(directory)
+    mesh = init_device_mesh("cpu", (world_size,))
+    like = {**ms.extract(shard_fsdp2(tiny_model(5), mesh)), "payload": None}
+    before = full_tensors({k: v for k, v in like.items() if k != "payload"})
+    with pytest.raises(ValueError, match=r"crafted-value': .*'payload': it calls posix\.mkdir"):
+        checkpoint.load_distributed(out / "crafted-value", like)
+    tp_like = ms.extract(shard_tensor_parallel(tiny_model(5), mesh))
+    with pytest.raises(ValueError, match=r"crafted-metadata': its \.metadata names posix\.mkdir"):
+        checkpoint.load_distributed(out / "crafted-metadata", tp_like)
+    torch.distributed.barrier()  # every rank has tried both loads
+    assert not (out / "crafted-marker").exists()
+    assert like["payload"] is None
+    assert_trees_equal(full_tensors({k: v for k, v in like.items() if k != "payload"}), before)
+    return True
+
+
+def test_crafted_checkpoints_are_refused_on_every_rank(three_rank_stages, stage_directory):
+    assert three_rank_stages["refuse_crafted_checkpoints_on_three_ranks"] == [True] * 3
+    assert not (stage_directory / "crafted-marker").exists()
+
+
+def test_crafted_checkpoints_were_written_without_running_their_payload(two_rank_stages):
+    assert two_rank_stages["write_crafted_checkpoints_on_two_ranks"] == [True, True]
 
 
 # --- stage 3: one process, no process group -----------------------------------------------

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from modstate._core.torch_facts import is_dtensor
 from modstate.checkpoint._commit import why_absent
+from modstate.checkpoint._dcp_reader import check_value
 
 
 @contextlib.contextmanager
@@ -37,10 +38,13 @@ def single_process_quietly(process_group: Any) -> Iterator[bool]:
 def to_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
     """The flat tree as DCP wants it: tensors detached (DTensors stay DTensors).
 
-    Meta tensors hold no data and are refused, naming the path, before anything is written.
+    Refused, naming the path, before anything is written: meta tensors (they hold no data), and
+    non-tensor values that ``load_distributed`` could not read back (see ``check_value``).
     """
     for path, leaf in flat.items():
-        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+        if not isinstance(leaf, torch.Tensor):
+            check_value(path, leaf)
+        elif leaf.device.type == "meta":
             raise ValueError(
                 f"checkpoint.save_distributed: {path!r}: it is a meta tensor and holds no data; "
                 "materialize the model first (ms.load(model, tree, assign=True))"
@@ -51,8 +55,9 @@ def to_state_dict(flat: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def read_metadata(directory: str | os.PathLike) -> Metadata:
-    """The checkpoint's metadata; refuses a directory that holds no complete checkpoint."""
+def read_metadata(directory: str | os.PathLike, reader: dcp.FileSystemReader) -> Metadata:
+    """The checkpoint's metadata, read by ``reader``; refuses a directory that holds no complete
+    checkpoint."""
     name = os.fspath(directory)
     if not os.path.isdir(name):
         raise FileNotFoundError(
@@ -67,7 +72,7 @@ def read_metadata(directory: str | os.PathLike) -> Metadata:
             ".metadata file, written last, is missing (a save by another tool was interrupted, "
             "or the directory is not a checkpoint); load an earlier checkpoint",
         )
-    return dcp.FileSystemReader(name).read_metadata()
+    return reader.read_metadata()
 
 
 def under(path: str, prefixes: tuple[str, ...]) -> bool:

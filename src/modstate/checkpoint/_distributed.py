@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from modstate._core.trees.flat import unflatten
-from modstate.checkpoint._leaves import flat_tree, refuse_swapped_arguments
+from modstate.checkpoint._leaves import flat_tree, path_conflict, refuse_swapped_arguments
 
 # torch.distributed.checkpoint is imported when first used: ``import modstate`` stays light.
 
@@ -20,11 +20,17 @@ def save_distributed(
     Call it on every rank of the process group (collective). DTensor leaves, such as those of a
     model sharded by ``fully_shard`` or ``parallelize_module``, are written as their shards, each
     by the rank that holds it; plain tensor leaves count as replicated and are written once (they
-    must be equal on all ranks); non-tensor leaves are kept as DCP keeps them. Without a process
-    group it writes from this one process. Keys are the ``flatten`` paths, so the directory is an
-    ordinary DCP checkpoint of a state_dict-style dict: ``torch.distributed.checkpoint`` tools
-    read it, and checkpoints that torch wrote from ``model.state_dict()`` load with
-    ``load_distributed``.
+    must be equal on all ranks); non-tensor leaves are pickled, as DCP keeps them. Without a
+    process group it writes from this one process. Keys are the ``flatten`` paths, so the
+    directory is an ordinary DCP checkpoint of a state_dict-style dict:
+    ``torch.distributed.checkpoint`` tools read it, and checkpoints that torch wrote from
+    ``model.state_dict()`` load with ``load_distributed``.
+
+    Non-tensor leaves must be values that ``load_distributed`` reads back without running code,
+    what ``torch.load(weights_only=True)`` reads: ``None``, bool, int, float, str,
+    ``torch.Size``, dtypes, tensors, and tuples, lists and dicts of those. Each is pickled and
+    read back that way before anything is written; one that fails is refused, naming its path,
+    so a save never writes a checkpoint that its own load would refuse.
 
     Commit protocol: the ranks write into a staging directory beside ``directory``
     (``.<name>.modstate-partial``), and the first rank renames it to ``directory`` once every
@@ -35,7 +41,7 @@ def save_distributed(
     All ranks must see one file system (as DCP's file system writer requires).
 
     Args:
-        tree: A nested dict of tensors, DTensors and picklable values, such as
+        tree: A nested dict of tensors, DTensors and non-tensor values (see above), such as
             ``{"model": ms.extract(model), "optimizer": ms.optim.optimizer_state(opt, model)}``.
             Keys must be non-empty and dot-free.
         directory: The checkpoint directory (created, with its parents, if missing).
@@ -46,7 +52,9 @@ def save_distributed(
         None.
 
     Raises:
-        TypeError: ``tree`` is not a dict, or the arguments are swapped.
+        TypeError: ``tree`` is not a dict, the arguments are swapped, or a non-tensor leaf is a
+            value ``load_distributed`` could not read back (the message names its path and
+            what its pickle calls); nothing is written then.
         ValueError: A key is empty or holds a dot, or a leaf is a meta tensor.
         NotADirectoryError: ``directory`` is a file.
         FileExistsError: ``directory`` holds files that are not part of a checkpoint.
@@ -89,6 +97,7 @@ def load_distributed(
     strict: bool = True,
     process_group: Any = None,
     as_saved: Sequence[str] = (),
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Read a ``save_distributed`` checkpoint into a new tree laid out like ``like``.
 
@@ -103,8 +112,16 @@ def load_distributed(
     Before reading any data, every tensor path of ``like`` must be in the checkpoint with the same
     shape; with ``strict`` (default) also the same dtype, and the checkpoint may hold no tensor
     that ``like`` lacks. A checkpoint whose save was interrupted is refused (see
-    [`save_distributed`][modstate.checkpoint.save_distributed]). DCP's ``.metadata`` and non-tensor values are pickles: load
-    distributed checkpoints you trust.
+    [`save_distributed`][modstate.checkpoint.save_distributed]).
+
+    Loading runs no code from the checkpoint. DCP stores its ``.metadata`` and each non-tensor
+    value as pickles; ``load_distributed`` reads ``.metadata`` once, with an unpickler that
+    resolves only DCP's metadata classes and torch's value types (``torch.Size``, dtypes,
+    layouts, devices, paths), checks its fields, and gives that same reader to DCP for the load;
+    the values it reads with ``torch.load(weights_only=True)``, as DCP reads tensors. Any other
+    global a pickle names is refused before it is called, with a ``ValueError`` naming the
+    directory (and the value's path) and the global, on every rank. (Calling
+    ``torch.distributed.checkpoint.load`` yourself on the same directory does not get this.)
 
     ``as_saved`` lists dotted paths (``"optimizer"``) under which ``like`` is not needed: every
     leaf the checkpoint holds there comes back as saved, tensors as plain tensors of their saved
@@ -125,6 +142,11 @@ def load_distributed(
             ``False`` loads a subset and casts dtypes.
         process_group: The group whose ranks read (as for [`save_distributed`][modstate.checkpoint.save_distributed]).
         as_saved: Dotted paths under which the checkpoint's leaves come back as saved.
+        weights_only: ``False`` reads the checkpoint as ``torch.distributed.checkpoint.load``
+            does: ``.metadata`` with ``pickle.load`` and values with
+            ``torch.load(weights_only=False)``, which run whatever code the pickles name (any
+            function of any installed module). Only for a checkpoint you trust, such as one
+            holding a value of your own class, which the default refuses.
 
     Returns:
         A new nested dict laid out like ``like`` (plus the ``as_saved`` subtrees).
@@ -134,7 +156,10 @@ def load_distributed(
             was interrupted, or its ``.metadata`` is missing); the message says which.
         ValueError: ``like`` does not fit the checkpoint (a missing path, another shape; with
             ``strict`` another dtype or a saved tensor ``like`` lacks), or ``as_saved`` names a
-            path under which nothing was saved; the message names the paths.
+            path under which nothing was saved; the message names the paths. Also (with
+            ``weights_only``) a ``.metadata`` that names a global outside DCP's metadata
+            classes, is not a pickle, or is not DCP metadata, and a non-tensor value that
+            ``torch.load(weights_only=True)`` refuses; the message names what was refused.
 
     Example:
         >>> import tempfile, torch, modstate as ms
@@ -145,7 +170,7 @@ def load_distributed(
     """
     from torch.distributed import checkpoint as dcp
 
-    from modstate.checkpoint import _dcp
+    from modstate.checkpoint import _dcp, _dcp_reader
 
     name = os.fspath(directory)
     if isinstance(as_saved, str):
@@ -153,11 +178,32 @@ def load_distributed(
     prefixes = tuple(as_saved)
     flat_like = flat_tree("load_distributed", like)
     flat_like = {p: leaf for p, leaf in flat_like.items() if not _dcp.under(p, prefixes)}
-    metadata = _dcp.read_metadata(name)
+    reader = _dcp_reader.Reader(name, weights_only=weights_only)
+    metadata = _dcp.read_metadata(name, reader)
     saved_as_is = _dcp.as_saved_targets(name, metadata, prefixes)
     _dcp.check_compatible(name, flat_like, metadata, strict=strict, as_saved=prefixes)
     state = _dcp.empty_targets(flat_like, metadata)
     state.update(saved_as_is)
+    conflict = path_conflict(state)  # like is a tree: only the checkpoint's paths can conflict
+    if conflict is not None:
+        raise ValueError(
+            f"checkpoint.load_distributed: {name!r}: the paths it holds do not form a tree: "
+            f"{conflict}; a tree holds only one of the two: name one of them at a time in like "
+            "or as_saved (with strict=False)"
+        )
+    planner = _dcp_reader.RestrictedPlanner() if weights_only else None
     with _dcp.single_process_quietly(process_group) as no_dist:
-        dcp.load(state, checkpoint_id=name, process_group=process_group, no_dist=no_dist)
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
+    if planner is not None and planner.refused:
+        raise ValueError(
+            f"checkpoint.load_distributed: {name!r}: non-tensor values refused without being "
+            f"called (the checkpoint may be crafted to run code): {'; '.join(planner.refused)}; "
+            f"{_dcp_reader.TRUSTED_FIX}"
+        )
     return unflatten(dict(state))

@@ -34,7 +34,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from modstate.checkpoint._leaves import check_file_tensor, check_json_value
+from modstate.checkpoint._leaves import check_file_tensor, check_json_value, path_conflict
 
 RECORD_KEY = "modstate"
 FORMAT_VERSION = 1
@@ -128,6 +128,12 @@ def read(path: str | os.PathLike, device: torch.device, *, mmap: bool = False) -
     record_text = header.get(RECORD_KEY)
     if record_text is None:
         flat: dict[str, Any] = dict(tensors)
+        conflict = path_conflict(flat)
+        if conflict is not None:
+            raise ValueError(
+                f"checkpoint.load: {name!r}: its tensor names do not form a tree: {conflict}; "
+                "load it with safetensors.torch.load_file, which gives the flat names"
+            )
     else:
         flat = _assemble(name, tensors, _parse_record(name, record_text, tensors), verify=not mmap)
     return _to_device(flat, device)
@@ -183,8 +189,10 @@ def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> 
 
     try:
         record = json.loads(text)
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # JSONDecodeError, or an int past Python's 4300-digit limit
         raise corrupted(f"invalid JSON ({error})") from error
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise corrupted("JSON nested deeper than Python's recursion limit") from None
     if not isinstance(record, dict):
         raise corrupted("not a JSON object")
     version = record.get("version")
@@ -225,6 +233,9 @@ def _parse_record(name: str, text: str, tensors: Mapping[str, torch.Tensor]) -> 
         )
     ):
         raise corrupted("malformed 'tuples'")
+    conflict = path_conflict(order)
+    if conflict is not None:
+        raise corrupted(conflict)
     return record
 
 

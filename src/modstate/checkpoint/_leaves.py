@@ -1,9 +1,11 @@
-"""Which leaves a checkpoint can hold, checked before anything is written."""
+"""Which leaves and paths a checkpoint can hold: checked before anything is written, and what
+is read checked before it is nested."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -154,3 +156,17 @@ def _check_keys(function: str, tree: dict[str, Any], prefix: str) -> None:
             )
         if isinstance(key, str) and is_subtree(key, value):
             _check_keys(function, value, f"{prefix}{key}.")
+
+
+def path_conflict(paths: Iterable[str]) -> str | None:
+    """Two paths that ``unflatten`` cannot both place (a leaf and a path under it), or ``None``:
+    what a checkpoint read from disk is checked for before it is nested."""
+    paths = list(paths)
+    seen = set(paths)
+    for path in paths:
+        parts = path.split(".")
+        for end in range(1, len(parts)):
+            prefix = ".".join(parts[:end])
+            if prefix in seen:
+                return f"{prefix!r} is a leaf and {path!r} continues it"
+    return None
