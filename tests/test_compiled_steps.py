@@ -100,11 +100,11 @@ def bn_apply_ema() -> tuple:
     return step, carry, lambda i: batch(i, (4, 3, 8, 8))
 
 
-def ensemble_step() -> tuple:
+def ensemble_step(lr: Any = 1e-3) -> tuple:
     """A 4-member Ensemble trained through ms.apply, one Adam over the stacked trees."""
     ens = ms.Ensemble(members())
     params, state = ms.split(ens, detach=True)
-    opt = ms.optim.adam(lr=1e-3)
+    opt = ms.optim.adam(lr=lr)
 
     def loss(p: Any, s: Any, x: torch.Tensor, y: torch.Tensor) -> tuple:
         out, s = ms.apply(ens, p, s, x)
@@ -169,6 +169,7 @@ CASES: dict[str, Callable[[], tuple]] = {
     **{name: (lambda name=name: optimizer_case(name)) for name in OPTIMIZERS},
     "bn_apply_ema": bn_apply_ema,
     "ensemble_step": ensemble_step,
+    "ensemble_lr_sweep": lambda: ensemble_step(torch.tensor([1e-3, 3e-3, 1e-2, 3e-2])),
     "vmap_member_step": vmap_member_step,
     "vmap_call_and_tree_ops": vmap_call_and_tree_ops,
     "call_partial": call_partial_step,

@@ -380,8 +380,8 @@ def test_hyperparameters_are_checked_like_torch():
     with pytest.raises(ValueError, match=r"^sgd: 'nesterov': Nesterov momentum requires"):
         optim.sgd(nesterov=True)
     assert optim.sgd(nesterov=True, momentum=0.9).nesterov  # the fix the message names
-    with pytest.raises(ValueError, match=r"^adagrad: 'lr': a tensor of shape \(2,\)"):
-        optim.adagrad(lr=torch.ones(2))
+    with pytest.raises(ValueError, match=r"^adagrad: 'lr': a tensor of shape \(2, 2\)"):
+        optim.adagrad(lr=torch.ones(2, 2))  # 1-D is one value per member (test_per_member)
     assert optim.adadelta(rho=1.0).rho == 1.0  # torch accepts rho in [0, 1]
     with pytest.raises(
         ValueError, match=r"^adadelta: 'rho': invalid value 1\.5 .*in \[0\.0, 1\.0\]"

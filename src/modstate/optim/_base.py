@@ -91,6 +91,25 @@ def _results(
     return leaves.rebuild(leaves.params, run.p if run else []), new_state
 
 
+def _check_members(owner: str, hyper: dict[str, Any], leaves: StepLeaves) -> None:
+    """A per-member hyperparameter (1-D: one value per member) needs stacked leaves with that
+    many members on their first dim: refuse the first leaf that has another count."""
+    for name, value in hyper.items():
+        for item in value if isinstance(value, tuple) else (value,):
+            if not (isinstance(item, Tensor) and item.dim() == 1):
+                continue
+            count = item.shape[0]
+            for position, leaf in enumerate(leaves.active_params()):
+                if leaf.dim() == 0 or leaf.shape[0] != count:
+                    found = "0-dim" if leaf.dim() == 0 else f"{leaf.shape[0]} on its first dim"
+                    raise ValueError(
+                        f"{owner}.step: '{leaves.active_path(position)}': {name} holds {count} "
+                        f"values, one per member, but this leaf is {found}; step trees stacked "
+                        f"from {count} members (ms.stack_modules, an Ensemble's), or give "
+                        f"{name} one value for all"
+                    )
+
+
 def _resolve_traced(value: Any, count_before: Tensor) -> Any:
     """`_resolve` while tracing: a schedule is evaluated on the tensor count, and nothing is
     read into a number (a read would end the graph)."""
@@ -237,6 +256,7 @@ class ElementwiseOptimizer:
                 name: _resolve(getattr(self, name), count_before)
                 for name in _hyperparameter_names(type(self))
             }
+            _check_members(self.name, hyper, leaves)
         tensors = [*leaves.tensors(), step, *scalars.values()]
         active = leaves.active_params()
         if LeafOps.differentiable(tensors, [count_before, *_scalars(hyper)]):
@@ -286,6 +306,7 @@ class ElementwiseOptimizer:
             name: _resolve_traced(getattr(self, name), count_before)
             for name in _hyperparameter_names(type(self))
         }
+        _check_members(self.name, hyper, leaves)
         ops = LeafOps(foreach=False)
         run = _gathered(
             DIFFERENTIABLE, ops, leaves, names, count_before + 1, hyper, scalars, False, new_step

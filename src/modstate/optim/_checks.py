@@ -30,15 +30,18 @@ def check_hyperparameter(
     high: float | None = None,
     high_inclusive: bool = False,
 ) -> None:
-    """Refuse `value` unless it is a number in torch.optim's range or a floating 0-dim tensor.
+    """Refuse `value` unless it is a number in torch.optim's range, a floating 0-dim tensor, or a
+    floating 1-D tensor (one value per member of stacked trees; its length is checked against
+    the trees at each step).
 
     Tensors are not range-checked (reading one may cost a device sync).
     """
     if isinstance(value, Tensor):
-        if value.dim() != 0:
+        if value.dim() > 1:
             raise ValueError(
                 f"{owner}: '{name}': a tensor of shape {tuple(value.shape)}; a hyperparameter "
-                f"is a number or a 0-dim tensor (under vmap, stack the per-member values)"
+                f"is a number, a 0-dim tensor, or a 1-D tensor of one value per member of "
+                f"stacked trees (an ensemble's)"
             )
         if not (value.is_floating_point() or value.is_complex()):
             raise ValueError(

@@ -63,8 +63,16 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 
 
 def _as_dtype(value: Tensor, like: Tensor) -> Tensor:
-    """A 0-dim hyperparameter in the leaf's dtype, as a fused kernel casts its scalar."""
+    """A tensor hyperparameter in the leaf's dtype, as a fused kernel casts its scalar; a
+    per-member one (1-D: one value per member of a stacked leaf) laid along the leaf's first
+    dim, the member dim, so that member i computes with value i."""
+    value = _along_members(value, like)
     return value if value.dtype == like.dtype else value.to(like.dtype)
+
+
+def _along_members(value: Tensor, like: Tensor) -> Tensor:
+    # (members,) -> (members, 1, ..., 1): broadcasting aligns trailing dims, members lead.
+    return value.reshape(-1, *(1,) * (like.dim() - 1)) if value.dim() == 1 else value
 
 
 class LeafOps:
@@ -292,8 +300,12 @@ class LeafOps:
         return [torch.maximum(x, y) for x, y in zip(xs, ys, strict=True)]
 
     def where(self, condition: Tensor, xs: Leaves, ys: Leaves) -> Leaves:
-        """`xs` where the 0-dim `condition` holds, else `ys` (functional form only)."""
-        return [torch.where(condition.to(x.device), x, y) for x, y in zip(xs, ys, strict=True)]
+        """`xs` where the 0-dim (or per-member 1-D) `condition` holds, else `ys` (functional form
+        only)."""
+        return [
+            torch.where(_along_members(condition, x).to(x.device), x, y)
+            for x, y in zip(xs, ys, strict=True)
+        ]
 
     def copy_into(self, xs: Leaves, ys: Leaves) -> Leaves:
         """`ys` written into the step's own `xs` (eager) or a copy of `ys` (functional)."""

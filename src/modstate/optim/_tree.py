@@ -44,7 +44,8 @@ def new_scalar(value: float = 0.0) -> Tensor:
 def read_number(value: Tensor) -> float | None:
     """The value as a number when reading it is free (a CPU tensor, no transform, no trace)."""
     if (
-        not value.is_cpu
+        value.dim() != 0
+        or not value.is_cpu
         or value.requires_grad
         or functorch_active()
         or torch.compiler.is_compiling()
