@@ -116,7 +116,9 @@ def test_a_count_that_is_not_the_members_is_refused_naming_the_path_and_the_fix(
     opt = ms.optim.adam(lr=torch.tensor([1e-3, 1e-2]))  # two values, three members
     state = opt.init(stacked)
     grads = gradients(stacked)[0]
-    with pytest.raises(ValueError, match=r"adam\.step: '0\.(bias|weight)': lr holds 2 values, one per "):
+    with pytest.raises(
+        ValueError, match=r"adam\.step: '0\.(bias|weight)': lr holds 2 values, one per "
+    ):
         opt.step(stacked, grads, state)
     # the fix the message names: one value per member (or one value for all)
     fixed = ms.optim.adam(lr=torch.tensor([1e-3, 1e-2, 1e-1]))
