@@ -108,8 +108,8 @@ def prepare_in_plan_order(
         return None
     private, lock = _privacy(module, anatomy, True)
     swap = _compiled_swap(anatomy, leaves, targets, True, private, lock)
-    if swap is not None:
-        _refuse_meta(anatomy, swap)
+    if swap is not None and _meta_slot(anatomy, swap) is not None:
+        return None  # prepare names it, for the function that called
     return swap
 
 
@@ -117,16 +117,31 @@ def _refuse_meta(anatomy: Anatomy, swap: Swap) -> None:
     """Refuse to compute with a meta tensor (shapes only) where the module holds data: forward
     would fail deep inside torch, naming neither the path nor the way out. A meta tree in a meta
     module (tracing shapes) is fine."""
+    found = _meta_slot(anatomy, swap)
+    if found is not None:
+        raise meta_leaf(*found)
+
+
+def _meta_slot(anatomy: Anatomy, swap: Swap) -> tuple[str, Tensor] | None:
+    """The first path (in module order) where ``swap`` puts a meta tensor in place of one with
+    data, and the module's tensor there."""
     try:
         if not any(map(_is_meta, swap.values)):  # the common case: one C-level pass
-            return
+            return None
     except AttributeError:  # a value that is not a tensor: look at each below
         pass
-    for i, (value, old) in enumerate(zip(swap.values, swap.olds, strict=True)):
-        if getattr(value, "is_meta", False) and not getattr(old, "is_meta", True):
-            table, name = swap.tables[i], swap.names[i]
-            path = next(s.path for s in anatomy.slots if s.table is table and s.name == name)
-            raise meta_leaf(path, old)
+    meta = {
+        (id(table), name): old
+        for table, name, value, old in zip(
+            swap.tables, swap.names, swap.values, swap.olds, strict=True
+        )
+        if getattr(value, "is_meta", False) and not getattr(old, "is_meta", True)
+    }
+    for slot in anatomy.slots:  # a swap lists them in plan order
+        old = meta.get((id(slot.table), slot.name))
+        if old is not None:
+            return slot.path, old
+    return None
 
 
 def _privacy(
