@@ -19,7 +19,7 @@ from modstate._core.trees.flat import flatten, unflatten
 from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 from modstate.ensemble._members_apply import apply
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Ensemble",
