@@ -5,6 +5,8 @@ The engine (``prepare``) does not know which public function it serves, so it ra
 `PathError` without a function name and with the fix that fits the lenient options of
 ``inject``; each public function re-raises it with `PathError.within`, naming itself and a fix
 that works where the user is (``call`` has no ``strict`` option, ``load`` never takes other shapes).
+An `OtherModel` (a shape that differs) keeps its own fix: no function's lenient option is right
+for a tree of another model.
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def meta_leaf(path: str, current: Tensor) -> MetaLeaf:
         f"{current.device}",
         "materialize the tree first: read it from a checkpoint (tree = "
         "ms.checkpoint.load(path)), or materialize the meta model it came from, "
-        "meta_model.to_empty(device='cpu') then ms.load(meta_model, weights), or "
+        f"meta_model.to_empty(device={str(current.device)!r}) then ms.load(meta_model, weights), "
+        "or "
         "ms.load(meta_model, weights, assign=True), and take tree = ms.extract(meta_model)",
     )
 
