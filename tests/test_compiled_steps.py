@@ -249,6 +249,20 @@ def test_a_wrong_tree_is_refused_while_compiling_as_in_eager() -> None:
         torch.compile(step, backend="eager", fullgraph=True)(params, bad_state, *data(0))
 
 
+def test_grads_of_another_dtype_are_refused_while_compiling_as_in_eager() -> None:
+    opt = ms.optim.adam(lr=0.1)
+    params = ms.extract(mlp(), copy=True)
+    grads = ms.tree.to(ms.tree.zeros_like(params), torch.float64)
+    message = r"'0\.weight': grads is torch\.float64, but the param there is torch\.float32"
+    with pytest.raises(ValueError, match=message):
+        opt.step(params, grads, opt.init(params))
+    with pytest.raises(Exception, match=message):
+        torch.compile(opt.step, backend="eager", fullgraph=True)(params, grads, opt.init(params))
+    step = torch.compile(opt.step, backend="eager", fullgraph=True)
+    new_params, _ = step(params, ms.tree.to(grads, torch.float32), opt.init(params))  # the fix
+    assert new_params["0"]["weight"].dtype == torch.float32
+
+
 def test_donate_is_accepted_while_compiling() -> None:
     model = mlp()
     opt = ms.optim.adam(lr=1e-3)

@@ -11,9 +11,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    """``(line number, code)`` of every ```python block of README.md, in order."""
-    text = README.read_text()
+def python_blocks(page: Path = README) -> list[tuple[int, str]]:
+    """``(line number, code)`` of every ```python block of ``page`` (README.md), in order."""
+    text = page.read_text()
     return [
         (text.count("\n", 0, match.start()) + 2, match.group(1)) for match in BLOCK.finditer(text)
     ]

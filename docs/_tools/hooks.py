@@ -6,6 +6,7 @@
 - ``tour.md``: the tour sections of ``README.md``.
 - ``notebooks/``: the executed notebooks of ``notebooks/``, rendered as saved (not run).
 - ``changelog.md``: ``CHANGELOG.md``.
+- the footer of every page: ``modstate <version>``.
 
 Where ``docs/`` holds a file of the same name (``tour.md``, ``reference/index.md``, ...), it is a
 stand-in for readers of the repository (on GitHub its links lead to the sources); the generated
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "src"))
 
 from public_api import Package, definition_path, public_packages, summary_line  # noqa: E402
+
+import modstate  # noqa: E402
 
 # README sections that are not part of the tour (install, pointers, development).
 NOT_TOUR = {
@@ -148,6 +151,9 @@ def notebooks_index(notebooks: list[Path]) -> str:
 
 
 def on_config(config):
+    # The version the site documents, read from its one place (modstate.__version__, which the
+    # wheel's metadata and `python -m modstate --version` read too), in every page's footer.
+    config["copyright"] = f"modstate {modstate.__version__}"
     packages = public_packages()
     for entry in config["nav"]:
         if isinstance(entry, dict) and "API reference" in entry:

@@ -20,7 +20,7 @@ from modstate.ensemble import Ensemble, stack, stack_modules, unstack, vmap_call
 from modstate.ensemble._members_apply import apply
 from modstate.ensemble._update_bn import update_bn
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Ensemble",

@@ -219,3 +219,49 @@ def test_call_under_grad_on_a_train_mode_batchnorm_points_to_apply_and_apply_wor
     )(params)  # the fix the note names
     assert int(new_state["1"]["num_batches_tracked"]) == 1
     assert ms.flatten(grads).keys() == ms.flatten(params).keys()
+
+
+def test_a_meta_tree_is_refused_naming_the_path_the_device_and_the_fixes_that_work(tmp_path):
+    model, x = mlp(), torch.randn(4, 3)
+    with torch.device("meta"):
+        meta_model = mlp()  # no memory, no data: shapes only
+    tree = ms.extract(meta_model)
+    before = snapshot(model)
+    with pytest.raises(
+        ValueError,
+        match=r"^call: '0\.weight': the tree's tensor is on the meta device \(shapes only, no "
+        r"data\), the module's on cpu; materialize the tree first",
+    ) as info:
+        ms.call(model, tree, x)
+    message = str(info.value)
+    assert "ms.checkpoint.load(path)" in message
+    assert "meta_model.to_empty(device='cpu') then ms.load(meta_model, weights)" in message
+    assert "ms.load(meta_model, weights, assign=True)" in message
+    assert_unchanged(model, before)
+    with pytest.raises(ValueError, match=r"^apply: '0\.weight': the tree's tensor is on the meta"):
+        ms.apply(model, *ms.split(meta_model), x)
+    with pytest.raises(ValueError, match=r"^inject: '0\.weight': the tree's tensor is on the meta"):
+        with ms.inject(model, tree):
+            pass
+    assert_unchanged(model, before)
+
+    weights = ms.extract(mlp(), copy=True)  # the real values the meta tree stands for
+    expected = ms.call(mlp(), weights, x)
+    ms.checkpoint.save(weights, tmp_path / "model")
+    assert torch.equal(ms.call(model, ms.checkpoint.load(tmp_path / "model"), x), expected)
+
+    meta_model.to_empty(device="cpu")  # fix 2: real memory, then the values
+    ms.load(meta_model, weights)
+    assert torch.equal(ms.call(model, ms.extract(meta_model), x), expected)
+
+    with torch.device("meta"):
+        meta_model = mlp()
+    ms.load(meta_model, weights, assign=True)  # fix 3: the values' tensors become the model's
+    assert torch.equal(ms.call(model, ms.extract(meta_model), x), expected)
+
+
+def test_a_meta_tree_in_a_meta_model_traces_shapes():
+    with torch.device("meta"):
+        model = mlp()
+    out = ms.call(model, ms.extract(model, detach=True), torch.randn(4, 3, device="meta"))
+    assert out.shape == (4, 1) and out.is_meta

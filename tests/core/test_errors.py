@@ -12,32 +12,96 @@ from modstate._core.errors import MissingPaths
 from zoo import assert_unchanged, snapshot
 
 
-def model() -> nn.Module:
+def model(hidden: int = 4, out: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
+    return nn.Sequential(
+        nn.Linear(3, hidden), nn.ReLU(), nn.BatchNorm1d(hidden), nn.Linear(hidden, out)
+    ).eval()
 
 
-def test_calls_shape_error_names_fixes_that_work_with_call():
+def test_calls_shape_error_says_the_tree_is_another_models_and_that_model_takes_it():
     net, x = model(), torch.randn(5, 3)
-    tree = ms.extract(net, copy=True)
-    tree["3"]["weight"] = torch.randn(2, 4)  # issue 22: a head of another shape
+    tree = ms.extract(model(out=2), copy=True)  # issue 22: a head of another shape
     before = snapshot(net)
     with pytest.raises(
         ValueError,
-        match=r"^call: '3\.weight': shape \(2, 4\) in the tree, \(1, 4\) in the module; ",
-    ) as info:
+        match=r"^call: '3\.weight': shape \(2, 4\) in the tree, \(1, 4\) in the module, and 1 "
+        r"more of the tree's tensors have other shapes than the module's: the tree is another "
+        r"model's \(another architecture or configuration\); build the model the tree was taken "
+        r"from",
+    ):
         ms.call(net, tree, x)
-    message = str(info.value)
-    assert "ms.call_partial(module, tree, ...)" in message
-    assert "ms.inject(module, tree, strict=False)" in message
-    assert "strict=False accepts" not in message  # call has no strict option to pass
     assert_unchanged(net, before)
 
-    out = ms.call_partial(net, tree, x)  # fix 1
-    with ms.inject(net, tree, strict=False):  # fix 2
-        assert torch.equal(net(x), out)
-    assert out.shape == (5, 2)
+    # issue 42: call_partial or strict=False would run this model with a wider head (another
+    # architecture, without a word); the fix is the model the tree belongs to.
+    owner = model(out=2)
+    out = ms.call(owner, tree, x)
+    assert torch.equal(out, owner(x)) and out.shape == (5, 2)
+
+
+@pytest.mark.parametrize("function", ["call", "inject", "apply", "load"])
+def test_no_function_suggests_running_another_architecture(function):
+    net, x = model(), torch.randn(5, 3)
+    tree = ms.extract(model(hidden=8), copy=True)  # a wider hidden layer: 7 tensors differ
+    before = snapshot(net)
+    with pytest.raises(ValueError, match=rf"^{function}: '0\.weight': .* and 6 more") as info:
+        if function == "call":
+            ms.call(net, tree, x)
+        elif function == "inject":
+            with ms.inject(net, tree):
+                pass
+        elif function == "apply":
+            ms.apply(net, *ms.split(model(hidden=8)), x)
+        else:
+            ms.load(net, tree, strict=False)  # even lenient, load never takes other shapes
+    message = str(info.value)
+    assert "another model's" in message
+    assert "strict=False" not in message and "call_partial" not in message
+    assert "ms.swap" not in message
     assert_unchanged(net, before)
+    wide = model(hidden=8)
+    ms.load(wide, tree)  # the fix: the model the tree was taken from takes it
+    assert torch.equal(ms.call(wide, tree, x), wide(x))
+
+
+def test_a_stacked_tree_is_named_a_stack_and_vmap_call_or_unstack_runs_it():
+    net, x = model(), torch.randn(5, 3)
+    members = [ms.extract(model(), copy=True) for _ in range(3)]
+    for i, member in enumerate(members):
+        member["3"]["bias"] += i  # three members that differ
+    stacked = ms.stack(members)
+    with pytest.raises(
+        ValueError,
+        match=r"^call: '0\.weight': shape \(3, 4, 3\) in the tree, \(4, 3\) in the module: a "
+        r"stack of 3 trees .*ms\.vmap_call\(module, stacked, x\).*ms\.unstack\(stacked\)\[i\]",
+    ):
+        ms.call(net, stacked, x)
+    outs = ms.vmap_call(net, stacked, x)  # fix 1: every member at once
+    one = ms.call(net, ms.unstack(stacked)[2], x)  # fix 2: one member
+    for i, member in enumerate(members):
+        torch.testing.assert_close(outs[i], ms.call(net, member, x))
+    assert torch.equal(one, ms.call(net, members[2], x))
+
+
+def test_injects_dtype_error_names_strict_false_and_gradcheck_runs_with_it():
+    net = model()
+    tree = ms.tree.to(ms.extract(net, copy=True), torch.float64)  # gradcheck wants float64
+    with pytest.raises(
+        TypeError,
+        match=r"^inject: '0\.weight': dtype torch\.float64 in the tree, torch\.float32 in the "
+        r"module; strict=False accepts other dtypes",
+    ):
+        with ms.inject(net, tree):
+            pass
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with ms.inject(net, tree, strict=False):  # the fix
+            return net(x)
+
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    assert forward(x).dtype == torch.float64
+    assert torch.autograd.gradcheck(forward, (x,))
 
 
 def test_calls_dtype_error_names_the_same_fixes_and_they_work():
@@ -51,19 +115,6 @@ def test_calls_dtype_error_names_the_same_fixes_and_they_work():
     assert out.dtype == torch.float64
     with ms.inject(net, tree, strict=False):
         assert torch.equal(net(x), out)
-
-
-def test_injects_shape_error_names_strict_false_and_it_works():
-    net, x = model(), torch.randn(5, 3)
-    tree = ms.extract(net, copy=True)
-    tree["3"]["weight"] = torch.randn(2, 4)
-    with pytest.raises(
-        ValueError, match=r"^inject: '3\.weight': shape .*; strict=False accepts other shapes"
-    ):
-        with ms.inject(net, tree):
-            pass
-    with ms.inject(net, tree, strict=False):
-        assert net(x).shape == (5, 2)
 
 
 def test_applys_errors_name_apply_and_its_fix():

@@ -159,3 +159,32 @@ def test_a_call_in_train_mode_on_a_copy_leaves_the_models_counter_alone():
     assert int(model[1].num_batches_tracked) == 1  # the documented recipe: the copy moved ...
     assert int(ints["1"]["num_batches_tracked"]) == 2
     assert torch.equal(model[1].running_mean, running_mean)  # ... the model did not
+
+
+@pytest.mark.parametrize("given", ["state_dict", "tree"])
+def test_a_state_dict_or_a_tree_is_refused_naming_unflatten_and_the_fix_works(given):
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    value = model.state_dict() if given == "state_dict" else ms.extract(model)
+    with pytest.raises(
+        TypeError, match=r"^extract: got an? (OrderedDict|dict) \(a state dict"
+    ) as info:
+        ms.extract(value)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "takes the module itself: ms.extract(model)" in message
+    assert "ms.unflatten(state_dict)" in message
+
+    tree = ms.unflatten(model.state_dict())  # the fix for a state dict
+    expected = ms.extract(model, use_state_dict=True, detach=True)
+    assert ms.flatten(tree).keys() == ms.flatten(expected).keys()
+    for path, leaf in ms.flatten(tree).items():
+        assert torch.equal(leaf, ms.flatten(expected)[path])
+    x = torch.randn(5, 3)
+    assert torch.equal(ms.call(model.eval(), tree, x), model(x))  # and it is a tree modstate takes
+    assert ms.extract(model)["0"]["weight"] is model[0].weight  # the fix for the tree: the module
+
+
+def test_anything_else_is_refused_naming_the_module():
+    with pytest.raises(
+        TypeError, match=r"^extract: got a list, not an nn\.Module; pass the module"
+    ):
+        ms.extract([nn.Linear(2, 2)])  # type: ignore[arg-type]

@@ -332,6 +332,58 @@ def test_trees_that_do_not_fit_name_the_path():
     assert opt.init({"head": {"weight": None}})["exp_avg"] == {"head": {"weight": None}}
 
 
+@pytest.mark.parametrize(
+    "factory",
+    [
+        optim.sgd,
+        optim.adam,
+        optim.adamw,
+        optim.rmsprop,
+        optim.adagrad,
+        optim.adamax,
+        optim.nadam,
+        optim.radam,
+        optim.adadelta,
+    ],
+)
+def test_grads_of_another_dtype_are_refused_before_the_step_and_the_cast_works(factory):
+    opt = factory(lr=0.1)
+    params = make_params()  # float32
+    state = opt.init(params)
+    grads = grads_like(make_params(dtype=torch.float64), torch.Generator().manual_seed(1))
+    kept = copy.deepcopy((params, state))
+    with pytest.raises(
+        ValueError,
+        match=r"^\w+\.step: 'encoder\.weight': grads is torch\.float64, but the param there is "
+        r"torch\.float32; cast the gradients to the params' dtype first: grads = "
+        r"ms\.tree\.to\(grads, torch\.float32\)",
+    ):
+        opt.step(params, grads, state)
+    after = optree.tree_leaves((params, state))
+    for leaf_before, leaf_after in zip(optree.tree_leaves(kept), after, strict=True):
+        assert torch.equal(leaf_before, leaf_after)  # nothing ran
+
+    new_params, _ = opt.step(params, ms.tree.to(grads, torch.float32), state)  # the fix
+    assert all(leaf.dtype == torch.float32 for leaf in optree.tree_leaves(new_params))
+    assert not torch.equal(new_params["head"]["weight"], params["head"]["weight"])
+
+
+def test_state_of_another_dtype_is_refused_and_init_from_the_params_fits():
+    opt = optim.adam(lr=0.1)
+    params = make_params()
+    grads = grads_like(params, torch.Generator().manual_seed(1))
+    state = opt.init(make_params(dtype=torch.float64))
+    with pytest.raises(
+        ValueError,
+        match=r"^adam\.step: 'encoder\.weight': state\['exp_avg'\] is torch\.float64, but the param "
+        r"there is torch\.float32; make the state from these params: state = opt\.init\(params\)",
+    ):
+        opt.step(params, grads, state)
+    new_params, new_state = opt.step(params, grads, opt.init(params))  # the fix
+    assert new_state["exp_avg"]["head"]["weight"].dtype == torch.float32
+    assert new_params["head"]["weight"].dtype == torch.float32
+
+
 # -- tied weights -------------------------------------------------------------------------------
 # extract and split list a tie (an embedding tied to the output head) at each of its paths. The
 # step takes the tie once, with the gradient at its first path (where torch.func puts it), and

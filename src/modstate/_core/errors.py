@@ -5,6 +5,8 @@ The engine (``prepare``) does not know which public function it serves, so it ra
 `PathError` without a function name and with the fix that fits the lenient options of
 ``inject``; each public function re-raises it with `PathError.within`, naming itself and a fix
 that works where the user is (``call`` has no ``strict`` option, ``load`` never takes other shapes).
+An `OtherModel` (a shape that differs) keeps its own fix: no function's lenient option is right
+for a tree of another model.
 """
 
 from __future__ import annotations
@@ -102,11 +104,46 @@ class DuplicatePath(PathValueError):
     """The tree gives one path twice (as a dotted key and nested, or in two trees of a tuple)."""
 
 
-def shape_mismatch(path: str, leaf: Tensor, current: Tensor) -> ShapeMismatch:
-    return ShapeMismatch(
+_ANOTHER_MODEL = "the tree is another model's (another architecture or configuration)"
+_ANOTHER_MODEL_FIX = (
+    "build the model the tree was taken from (the same class and configuration) and use the "
+    "tree with it, or take this model's own tree with ms.extract(model)"
+)
+
+
+class OtherModel(ShapeMismatch):
+    """A `ShapeMismatch` that says what it means: the tree is another model's (another
+    architecture or configuration), or a stack of trees. Its fix is its own, whichever public
+    function raises it: ``strict=False`` would run the module at the tree's shapes, another model
+    without a word."""
+
+    def within(self: _E, function: str, fix: str | None = None) -> _E:
+        return super().within(function)  # the fix of a function's lenient options does not apply
+
+
+class MetaLeaf(PathValueError):
+    """The tree's tensor at ``path`` is on the meta device (shapes only, no data) where the
+    module's holds data: computing with it cannot work."""
+
+
+def shape_mismatch(path: str, leaf: Tensor, current: Tensor, others: int = 0) -> OtherModel:
+    """The shape error at ``path``; ``others`` counts the tree's other leaves whose shapes differ
+    from the module's."""
+    what = f"shape {tuple(leaf.shape)} in the tree, {tuple(current.shape)} in the module"
+    if leaf.dim() == current.dim() + 1 and leaf.shape[1:] == current.shape:
+        return OtherModel(
+            path,
+            f"{what}: a stack of {leaf.shape[0]} trees (one per ensemble member, as ms.stack "
+            "gives), not one",
+            "call all the members at once with ms.vmap_call(module, stacked, x), or take one: "
+            "ms.unstack(stacked)[i]",
+        )
+    if others:
+        what += f", and {others} more of the tree's tensors have other shapes than the module's"
+    return OtherModel(
         path,
-        f"shape {tuple(leaf.shape)} in the tree, {tuple(current.shape)} in the module",
-        "strict=False accepts other shapes",
+        f"{what}: {_ANOTHER_MODEL}",
+        _ANOTHER_MODEL_FIX,
     )
 
 
@@ -115,4 +152,40 @@ def dtype_mismatch(path: str, leaf: Tensor, current: Tensor) -> DtypeMismatch:
         path,
         f"dtype {leaf.dtype} in the tree, {current.dtype} in the module",
         "strict=False accepts other dtypes",
+    )
+
+
+def meta_leaf(path: str, current: Tensor) -> MetaLeaf:
+    return MetaLeaf(
+        path,
+        f"the tree's tensor is on the meta device (shapes only, no data), the module's on "
+        f"{current.device}",
+        "materialize the tree first: read it from a checkpoint (tree = "
+        "ms.checkpoint.load(path)), or materialize the meta model it came from, "
+        f"meta_model.to_empty(device={str(current.device)!r}) then ms.load(meta_model, weights), "
+        "or "
+        "ms.load(meta_model, weights, assign=True), and take tree = ms.extract(meta_model)",
+    )
+
+
+def not_a_module(function: str, value: object) -> TypeError:
+    """The error for a verb that takes a module given something else (a state dict, a tree)."""
+    name = type(value).__name__
+    found = f"an {name}" if name[:1] in "AEIOU" else f"a {name}"
+    if isinstance(value, dict):
+        return TypeError(
+            message(
+                function,
+                "",
+                f"got {found} (a state dict or a tree), not an nn.Module; {function} takes the "
+                f"module itself: ms.{function}(model)",
+                "a state dict is already a tree in flat form: ms.unflatten(state_dict) nests "
+                "its dotted keys (as ms.extract(model, use_state_dict=True, detach=True) does), "
+                "and ms.call, ms.inject and ms.load take it as it is",
+            )
+        )
+    return TypeError(
+        message(
+            function, "", f"got {found}, not an nn.Module", f"pass the module: ms.{function}(model)"
+        )
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from modstate._core.errors import not_a_module
 from modstate._core.module.anatomy import anatomy_of
 from modstate._core.module.state_dict import state_dict_tree
 from modstate._core.trees.flat import iter_leaves, unflatten
@@ -53,7 +54,8 @@ def extract(
         non-persistent buffers, unless ``use_state_dict``).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, or is a TorchScript module.
+        TypeError: ``module`` is not an ``nn.Module`` (a state dict is a tree already:
+            ``ms.unflatten(state_dict)`` nests it), or is a TorchScript module.
 
     Example:
         >>> import torch, modstate as ms
@@ -68,6 +70,8 @@ def extract(
         >>> bool(snapshot["0"]["weight"].eq(0).all())     # unaffected by the change
         False
     """
+    if not isinstance(module, nn.Module):
+        raise not_a_module("extract", module)
     if use_state_dict:
         tree = state_dict_tree(module, buffers=buffers)
     else:

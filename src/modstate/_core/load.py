@@ -11,10 +11,11 @@ from torch.nn.parameter import is_lazy
 
 from modstate._core.errors import (
     DtypeMismatch,
+    OtherModel,
     PathError,
     PathTypeError,
     PathValueError,
-    ShapeMismatch,
+    shape_mismatch,
 )
 from modstate._core.module.anatomy import anatomy_of, forget
 from modstate._core.module.state_dict import run_overridden_loads
@@ -22,11 +23,6 @@ from modstate._core.sharded.sharding import loadable
 from modstate._core.swap.prepare import prepare, prepare_hooked
 from modstate._core.swap.swaps import Swap
 from modstate._core.types import TreeArg
-
-_LOAD_SHAPES_FIX = (
-    "load puts values into the module's own tensors, so shapes must match; "
-    "ms.swap(module, tree, strict=False) puts tensors of other shapes in"
-)
 
 
 def load(
@@ -93,7 +89,6 @@ def load(
         _load(module, tree, strict, use_state_dict, assign)
     except PathError as error:
         fixes: dict[type, str | None] = {
-            ShapeMismatch: _LOAD_SHAPES_FIX,
             DtypeMismatch: "strict=False assigns the tree's dtypes"
             if assign
             else "strict=False casts the values to the module's dtypes",
@@ -198,6 +193,13 @@ def _check_loadable(
     if problems:
         i = min(problems, key=lambda i: where(i)[0])
         kind, what, fix = _problem(currents[i], values[i], assign, lazy_ok)  # type: ignore[misc]
+        if kind is OtherModel:  # say how far from this model the tree is
+            others = sum(
+                1
+                for j in problems
+                if j != i and not is_lazy(currents[j]) and values[j].shape != currents[j].shape
+            )
+            raise shape_mismatch(where(i)[1], values[i], currents[i], others)
         raise kind(where(i)[1], what, fix)
 
 
@@ -222,8 +224,8 @@ def _problem(
             "or use swap",
         )
     if value.shape != current.shape:
-        what = f"shape {tuple(value.shape)} in the tree, {tuple(current.shape)} in the module"
-        return (ShapeMismatch, what, _LOAD_SHAPES_FIX)
+        # load puts values into the module's own tensors: shapes match, strict or not
+        return (OtherModel, "", "")  # _check_loadable words it
     if assign:
         if (
             isinstance(current, nn.Parameter)

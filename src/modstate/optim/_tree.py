@@ -199,16 +199,28 @@ def _walk_order(params: Any, leaves: list[Tensor]) -> list[int]:
     return sorted(range(len(leaves)), key=lambda index: rank[paths[index]])
 
 
-def _misfit(param: Tensor, leaf: Any) -> str | None:
-    """Why `leaf` cannot stand beside `param` in a step, or None."""
+def _misfit(param: Tensor, leaf: Any, what: str) -> tuple[str, str] | None:
+    """Why `leaf` (of `what`: grads or a state buffer) cannot stand beside `param` in a step, and
+    the fix; None where it can."""
+    fix = f"pass {what} of the params' shapes and dtypes"
     if not isinstance(leaf, Tensor):
-        return f"is {type(leaf).__name__}, not a tensor"
+        return f"is {type(leaf).__name__}, not a tensor", fix
     if leaf.shape != param.shape:
-        return f"has shape {tuple(leaf.shape)}, but the param there has shape {tuple(param.shape)}"
-    if leaf.is_complex() != param.is_complex() or not (
-        leaf.is_floating_point() or leaf.is_complex()
-    ):
-        return f"is {leaf.dtype}, but the param there is {param.dtype}"
+        return (
+            f"has shape {tuple(leaf.shape)}, but the param there has shape {tuple(param.shape)}",
+            fix,
+        )
+    if leaf.dtype != param.dtype:
+        # torch.optim's kernels take one dtype per param and its grad and state: a float64 grad
+        # beside a float32 param fails inside a kernel (lerp's 'end'), or is cast without a word.
+        if what == "grads":
+            fix = (
+                f"cast the gradients to the params' dtype first: grads = ms.tree.to(grads, "
+                f"{param.dtype}) (or compute them from params of that dtype)"
+            )
+        else:
+            fix = "make the state from these params: state = opt.init(params)"
+        return f"is {leaf.dtype}, but the param there is {param.dtype}", fix
     return None
 
 
@@ -268,18 +280,19 @@ class StepLeaves:
                 return leaves
         except AttributeError:  # a None (or other) leaf: the checks below say which
             pass
+        misfits = {}
         for index, (param, leaf) in enumerate(zip(self.params, leaves, strict=True)):
             if leaf is None and allow_none:
                 continue
             if type(leaf) is Tensor and leaf.dtype is param.dtype and leaf.shape == param.shape:
                 continue
-            problem = _misfit(param, leaf)
-            if problem is not None:
-                path = _paths(self._params_tree)[index]
-                raise ValueError(
-                    f"{self._function}: '{path}': {what} {problem}; pass {what} of the "
-                    f"params' shapes and dtypes"
-                )
+            misfit = _misfit(param, leaf, what)
+            if misfit is not None:
+                misfits[index] = misfit
+        if misfits:  # name the first in module order, as while compiling (optree sorts keys)
+            index = next(i for i in _walk_order(self._params_tree, self.params) if i in misfits)
+            path, (problem, fix) = _paths(self._params_tree)[index], misfits[index]
+            raise ValueError(f"{self._function}: '{path}': {what} {problem}; {fix}")
         return leaves
 
     def gather(self, leaves: Sequence[Tensor | None]) -> Leaves:

@@ -27,6 +27,7 @@ from modstate._core.errors import (
     MissingPaths,
     UnknownPath,
     dtype_mismatch,
+    meta_leaf,
     shape_mismatch,
 )
 from modstate._core.module.anatomy import Anatomy, ModuleGuard, anatomy_of, serial_lock
@@ -41,6 +42,13 @@ from modstate._core.types import TreeArg
 
 _is = operator.is_
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
+_is_meta = operator.attrgetter("is_meta")
+
+# The prefixes that wrappers put before the paths of the model they hold, and who puts them.
+_WRAPPERS = {
+    "_orig_mod": "torch.compile (an OptimizedModule)",
+    "module": "DistributedDataParallel or DataParallel",
+}
 
 
 def prepare(
@@ -69,6 +77,8 @@ def prepare(
         prepared = _prepare_compiled_parts(anatomy, tree, strict, private, lock)
     if prepared is None:
         prepared = _prepare_by_path(anatomy, tree, strict, private, lock)
+    if compute:
+        _refuse_meta(anatomy, prepared)
     if compute and anatomy.sharding is not None:
         partial = partial_leaf(prepared.values)
         if partial is not None:
@@ -97,7 +107,41 @@ def prepare_in_plan_order(
     if anatomy.sharding is not None:
         return None
     private, lock = _privacy(module, anatomy, True)
-    return _compiled_swap(anatomy, leaves, targets, True, private, lock)
+    swap = _compiled_swap(anatomy, leaves, targets, True, private, lock)
+    if swap is not None and _meta_slot(anatomy, swap) is not None:
+        return None  # prepare names it, for the function that called
+    return swap
+
+
+def _refuse_meta(anatomy: Anatomy, swap: Swap) -> None:
+    """Refuse to compute with a meta tensor (shapes only) where the module holds data: forward
+    would fail deep inside torch, naming neither the path nor the way out. A meta tree in a meta
+    module (tracing shapes) is fine."""
+    found = _meta_slot(anatomy, swap)
+    if found is not None:
+        raise meta_leaf(*found)
+
+
+def _meta_slot(anatomy: Anatomy, swap: Swap) -> tuple[str, Tensor] | None:
+    """The first path (in module order) where ``swap`` puts a meta tensor in place of one with
+    data, and the module's tensor there."""
+    try:
+        if not any(map(_is_meta, swap.values)):  # the common case: one C-level pass
+            return None
+    except AttributeError:  # a value that is not a tensor: look at each below
+        pass
+    meta = {
+        (id(table), name): old
+        for table, name, value, old in zip(
+            swap.tables, swap.names, swap.values, swap.olds, strict=True
+        )
+        if getattr(value, "is_meta", False) and not getattr(old, "is_meta", True)
+    }
+    for slot in anatomy.slots:  # a swap lists them in plan order
+        old = meta.get((id(slot.table), slot.name))
+        if old is not None:
+            return slot.path, old
+    return None
 
 
 def _privacy(
@@ -201,7 +245,7 @@ def _prepare_by_path(
         if not isinstance(leaf, Tensor):
             raise TypeError(f"{path!r}: expected a tensor, got {type(leaf).__name__}")
         if strict:
-            _check_like(path, leaf, slots[i].get())
+            _check_like(path, leaf, slots[i].get(), anatomy, tree)
         given[i] = (leaf, node, key)
 
     for group in anatomy.tie_groups:
@@ -251,13 +295,27 @@ def _prepare_by_path(
     )
 
 
-def _check_like(path: str, leaf: Tensor, current: Tensor) -> None:
+def _check_like(path: str, leaf: Tensor, current: Tensor, anatomy: Anatomy, tree: TreeArg) -> None:
     if is_lazy(current) or is_lazy(leaf):
         return
     if leaf.shape != current.shape:
-        raise shape_mismatch(path, leaf, current)
+        raise shape_mismatch(path, leaf, current, _other_shapes(anatomy, tree, path))
     if leaf.dtype != current.dtype:
         raise dtype_mismatch(path, leaf, current)
+
+
+def _other_shapes(anatomy: Anatomy, tree: TreeArg, path: str) -> int:
+    """How many of the tree's leaves besides ``path`` have other shapes than the module's: the
+    measure of how far from this model the tree is (read only on the way to an error)."""
+    count = 0
+    for other, leaf, _, _ in leaves_of(tree):
+        slot = anatomy.by_path.get(other)
+        if other == path or slot is None or not isinstance(leaf, Tensor):
+            continue
+        current = slot.get()
+        if not (is_lazy(current) or is_lazy(leaf)) and leaf.shape != current.shape:
+            count += 1
+    return count
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -291,7 +349,7 @@ def prepare_hooked(
     try:
         plan = plan_load(module, flat, strict=strict, in_place=in_place)
         _fill_ties(anatomy, plan)
-        _judge(plan, strict, check_dtypes=strict and not in_place)
+        _judge(anatomy, plan, strict, check_dtypes=strict and not in_place)
     except BaseException:
         guard.restore()
         raise
@@ -325,10 +383,13 @@ def _fill_ties(anatomy: Anatomy, plan: LoadPlan) -> None:
         plan.missing[:] = [key for key in plan.missing if key not in filled]
 
 
-def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
+def _judge(anatomy: Anatomy, plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
     if plan.errors:
         raise ValueError(plan.errors[0])
     if plan.unexpected:
+        wrapped = _wrapper_prefix(anatomy, plan.unexpected[0])
+        if wrapped is not None:
+            raise wrapped
         raise KeyError(
             f"unknown path {plan.unexpected[0]!r}: after the module's load_state_dict hooks, "
             "no parameter, buffer or extra state takes it"
@@ -349,6 +410,9 @@ def _judge(plan: LoadPlan, strict: bool, check_dtypes: bool) -> None:
 
 def unknown_path(anatomy: Anatomy, path: str) -> UnknownPath:
     """The error for a tree path that names no slot of the module, saying what is there instead."""
+    wrapped = _wrapper_prefix(anatomy, path)
+    if wrapped is not None:
+        return wrapped
     if path in anatomy.module_paths:
         return UnknownPath(
             path, "is a submodule, not a tensor", "give a dict of its tensors, not a single value"
@@ -365,3 +429,29 @@ def unknown_path(anatomy: Anatomy, path: str) -> UnknownPath:
         "unknown path: the module has no parameter or buffer there",
         "leave it out, or check the key against ms.flatten(ms.extract(module))",
     )
+
+
+def _wrapper_prefix(anatomy: Anatomy, path: str) -> UnknownPath | None:
+    """The error for a tree and a module of which one has a wrapper's prefix (``_orig_mod.``
+    from ``torch.compile``, ``module.`` from DDP) and the other has not; None otherwise."""
+    head, _, rest = path.partition(".")
+    wrapper = _WRAPPERS.get(head)
+    if wrapper is not None and rest in anatomy.by_path:
+        return UnknownPath(
+            path,
+            f"the tree's paths start with '{head}.', as those of a model wrapped by {wrapper} "
+            "do, and the module's do not",
+            f"strip the prefix: tree = ms.unflatten(tree)[{head!r}] (a flat state dict or a "
+            "nested tree alike), or, for a state dict, torch.nn.modules.utils."
+            f"consume_prefix_in_state_dict_if_present(state_dict, '{head}.') (in place)",
+        )
+    for head, wrapper in _WRAPPERS.items():
+        if f"{head}.{path}" in anatomy.by_path:
+            return UnknownPath(
+                path,
+                f"the module is wrapped by {wrapper}: its paths start with '{head}.', the "
+                "tree's do not",
+                f"give the tree to the model inside, wrapped.{head} (e.g. "
+                f"ms.call(wrapped.{head}, tree, x)), or add the prefix: {{{head!r}: tree}}",
+            )
+    return None
