@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import optree
-import torch
 from torch import Tensor
 
-from modstate._core.trees.paths import dotted, glob_selects
+from modstate._core.trees.paths import glob_selects
 from modstate._core.trees.ties import tie_pairs
 from modstate._core.types import Tree
 from modstate.optim._protocol import Optimizer, OptimizerState
-from modstate.optim._tree import mismatch
+from modstate.optim._tree import flatten_tree, leaf_paths, mismatch
 
 
 def _check_patterns(patterns: tuple[str, ...]) -> None:
@@ -46,10 +44,11 @@ class Masked:
     def __post_init__(self) -> None:
         _check_patterns(self.patterns)
 
-    def _split(self, params: Any) -> tuple[list[Any], list[bool], optree.PyTreeSpec]:
-        leaves, treedef = optree.tree_flatten(params, none_is_leaf=False)
-        paths = [dotted(p) for p in optree.tree_paths(params, none_is_leaf=False)]
-        keep = [glob_selects(self.patterns, path) for path in paths]
+    def _split(self, params: Any) -> tuple[list[Any], list[bool], Any]:
+        # optree's flatten eagerly, TracedSpec's while torch.compile traces (Dynamo's optree
+        # support fails to unflatten the None leaves the inner trees hold): the same step.
+        leaves, treedef = flatten_tree(params)
+        keep = [glob_selects(self.patterns, path) for path in leaf_paths(params)]
         # A tie (one tensor at several paths) is one parameter: matched at one path, it is
         # stepped, and at all its paths, so that it stays one tensor.
         pairs = [(i, first) for i, first in tie_pairs(leaves) if isinstance(leaves[i], Tensor)]
@@ -73,7 +72,7 @@ class Masked:
         """
         leaves, keep, treedef = self._split(params)
         if leaves and not any(keep):
-            paths = [dotted(p) for p in optree.tree_paths(cast(Any, params), none_is_leaf=False)]
+            paths = leaf_paths(params)
             raise ValueError(
                 f"masked.init: {', '.join(map(repr, self.patterns))}: matches no leaf path; pass "
                 f"patterns that match some of the paths {paths[:5]}"
@@ -103,8 +102,6 @@ class Masked:
             ValueError: `grads` does not have the structure of `params` (the message names
                 the path), or what the inner optimizer's step raises.
         """
-        if torch.compiler.is_compiling() and isinstance(params, dict):
-            return self._traced_step(params, grads, state, donate)
         leaves, keep, treedef = self._split(params)
         try:
             grad_leaves: list[Any] = treedef.flatten_up_to(cast(Any, grads))
@@ -121,50 +118,6 @@ class Masked:
         merged = [new if k else old for old, new, k in zip(leaves, new_leaves, keep, strict=True)]
         new_params: Any = treedef.unflatten(merged)
         return new_params, new_state
-
-    def _traced_step(
-        self, params: dict[str, Any], grads: Any, state: Mapping[str, Any], donate: bool
-    ) -> tuple[Tree, OptimizerState]:
-        """`step` while torch.compile traces it, on a tree of dicts, walked in its own key order
-        (Dynamo's support of optree fails on this step's None leaves): same leaves, same ties,
-        same checks as the eager form."""
-        flat = _by_path(params)
-        paths, leaves = list(flat), list(flat.values())
-        keep = [glob_selects(self.patterns, path) for path in paths]
-        pairs = [(i, first) for i, first in tie_pairs(leaves) if isinstance(leaves[i], Tensor)]
-        for index, first in pairs:
-            keep[first] = keep[first] or keep[index]
-        for index, first in pairs:
-            keep[index] = keep[first]
-        kept = dict(zip(paths, keep, strict=True))
-        if not isinstance(grads, dict) or list(_by_path(grads)) != paths:
-            raise ValueError(mismatch("masked.step", params, grads, "grads"))
-        inner_params = _rebuilt(params, lambda path, leaf: leaf if kept[path] else None)
-        inner_grads = _rebuilt(grads, lambda path, leaf: leaf if kept[path] else None)
-        new_inner, new_state = self.optimizer.step(inner_params, inner_grads, state, donate=donate)
-        new = _by_path(new_inner)
-        return _rebuilt(params, lambda path, leaf: new[path] if kept[path] else leaf), new_state
-
-
-def _rebuilt(node: Any, fn: Callable[[str, Any], Any], path: str = "") -> Any:
-    """The dicts of `node` rebuilt in their own key order, ``fn(path, leaf)`` at each leaf."""
-    if isinstance(node, dict):
-        return {
-            key: _rebuilt(child, fn, f"{path}.{key}" if path else str(key))
-            for key, child in node.items()
-        }
-    return fn(path, node)
-
-
-def _by_path(node: Any, path: str = "", into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The leaves of the dicts of `node` by dotted path (None leaves included)."""
-    found: dict[str, Any] = {} if into is None else into
-    if isinstance(node, dict):
-        for key, child in node.items():
-            _by_path(child, f"{path}.{key}" if path else str(key), found)
-    else:
-        found[path] = node
-    return found
 
 
 def masked(optimizer: Optimizer, *patterns: str) -> Masked:

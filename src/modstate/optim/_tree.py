@@ -54,7 +54,8 @@ def read_number(value: Tensor) -> float | None:
     return value.item()
 
 
-def _paths(tree: Any) -> list[str]:
+def leaf_paths(tree: Any) -> list[str]:
+    """The dotted paths of the leaves of `tree` (None an empty subtree), in `flatten_tree`'s order."""
     if torch.compiler.is_compiling():
         return TracedSpec(tree).paths
     return [dotted(p) for p in optree.tree_paths(tree, none_is_leaf=False)]
@@ -126,7 +127,7 @@ class TracedSpec:
         return kind(self._build(child, leaves) for child in children)
 
 
-def _flatten(tree: Any) -> tuple[list[Any], Any]:
+def flatten_tree(tree: Any) -> tuple[list[Any], Any]:
     """optree's flatten (None an empty subtree), or `TracedSpec`'s while compiling."""
     if torch.compiler.is_compiling():
         spec = TracedSpec(tree)
@@ -146,24 +147,24 @@ def _not_float(function: str, path: str, leaf: Tensor) -> TypeError:
 
 def flatten_params(params: Any, function: str) -> tuple[list[Tensor], optree.PyTreeSpec]:
     """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
-    leaves, treedef = _flatten(params)
+    leaves, treedef = flatten_tree(params)
     for index, leaf in enumerate(leaves):
         if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
             continue  # the common case, decided without the slower checks below
         if not isinstance(leaf, Tensor):
             raise TypeError(
-                f"{function}: '{_paths(params)[index]}': a {type(leaf).__name__} leaf, not a "
+                f"{function}: '{leaf_paths(params)[index]}': a {type(leaf).__name__} leaf, not a "
                 f"tensor; leave it out of params (or set it to None, an empty subtree)"
             )
         if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise _not_float(function, _paths(params)[index], leaf)
+            raise _not_float(function, leaf_paths(params)[index], leaf)
     return leaves, treedef
 
 
 def mismatch(function: str, params: Any, tree: Any, what: str) -> str:
     """The error for `tree` (named `what`) not having the structure of `params`: the first
     dotted path where they differ."""
-    param_paths = _paths(params)
+    param_paths = leaf_paths(params)
     tree_paths = [dotted(p) for p in optree.tree_paths(tree, none_is_leaf=True)]
     param_set, tree_set = set(param_paths), set(tree_paths)
     missing = [p for p in param_paths if p not in tree_set]
@@ -195,7 +196,7 @@ def _walk_order(params: Any, leaves: list[Tensor]) -> list[int]:
     if torch.compiler.is_compiling():
         return list(range(len(leaves)))  # TracedSpec walks in this order already
     rank = {path: i for i, (path, _) in enumerate(leaves_with_paths(params))}
-    paths = _paths(params)
+    paths = leaf_paths(params)
     return sorted(range(len(leaves)), key=lambda index: rank[paths[index]])
 
 
@@ -291,7 +292,7 @@ class StepLeaves:
                 misfits[index] = misfit
         if misfits:  # name the first in module order, as while compiling (optree sorts keys)
             index = next(i for i in _walk_order(self._params_tree, self.params) if i in misfits)
-            path, (problem, fix) = _paths(self._params_tree)[index], misfits[index]
+            path, (problem, fix) = leaf_paths(self._params_tree)[index], misfits[index]
             raise ValueError(f"{self._function}: '{path}': {what} {problem}; {fix}")
         return leaves
 
@@ -329,7 +330,7 @@ class StepLeaves:
 
     def active_path(self, position: int) -> str:
         """The dotted path of the `position`-th updated param."""
-        return _paths(self._params_tree)[self.active[position]]
+        return leaf_paths(self._params_tree)[self.active[position]]
 
     @property
     def device(self) -> torch.device:
