@@ -9,7 +9,7 @@ and hands a `Run` (the leaves as lists, the ops, the step count) to the optimize
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -17,6 +17,13 @@ from torch import Tensor
 
 from modstate._core.types import Tree
 from modstate.optim._checks import check_betas, check_hyperparameter, check_kernels, check_lr
+from modstate.optim._hyper import (
+    check_members,
+    hyperparameter_names,
+    is_number,
+    resolve,
+    scalars_of,
+)
 from modstate.optim._kernels import DIFFERENTIABLE, FOREACH, FUSED, SINGLE, eager_kernel
 from modstate.optim._lists import LeafOps, Scalar
 from modstate.optim._repeat import Repeat, Returned, again
@@ -33,30 +40,6 @@ from modstate.optim._tree import (
 LearningRate = Scalar | Callable[[Any], Scalar]
 # Two decay rates (beta1, beta2), each a number or a 0-dim tensor.
 Betas = tuple[Scalar, Scalar]
-
-
-_NUMBERS = (float, int, bool)
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return all(_is_number(item) for item in value)
-    return type(value) in _NUMBERS
-
-
-def _resolve(value: Any, count_before: float | Tensor) -> Any:
-    """A hyperparameter for this step: a schedule evaluated, a free-to-read tensor as a number."""
-    if type(value) in _NUMBERS:
-        return value  # the common case
-    if isinstance(value, tuple):
-        return tuple(_resolve(item, count_before) for item in value)
-    if callable(value) and not isinstance(value, Tensor):
-        value = value(count_before)
-    if isinstance(value, Tensor):
-        number = read_number(value)
-        if number is not None:
-            return number
-    return value
 
 
 def _gathered(
@@ -91,35 +74,6 @@ def _results(
     return leaves.rebuild(leaves.params, run.p if run else []), new_state
 
 
-def _check_members(owner: str, hyper: dict[str, Any], leaves: StepLeaves) -> None:
-    """A per-member hyperparameter (1-D: one value per member) needs stacked leaves with that
-    many members on their first dim: refuse the first leaf that has another count."""
-    for name, value in hyper.items():
-        for item in value if isinstance(value, tuple) else (value,):
-            if not (isinstance(item, Tensor) and item.dim() == 1):
-                continue
-            count = item.shape[0]
-            for position, leaf in enumerate(leaves.active_params()):
-                if leaf.dim() == 0 or leaf.shape[0] != count:
-                    found = "0-dim" if leaf.dim() == 0 else f"{leaf.shape[0]} on its first dim"
-                    raise ValueError(
-                        f"{owner}.step: '{leaves.active_path(position)}': {name} holds {count} "
-                        f"values, one per member, but this leaf is {found}; step trees stacked "
-                        f"from {count} members (ms.stack_modules, an Ensemble's), or give "
-                        f"{name} one value for all"
-                    )
-
-
-def _resolve_traced(value: Any, count_before: Tensor) -> Any:
-    """`_resolve` while tracing: a schedule is evaluated on the tensor count, and nothing is
-    read into a number (a read would end the graph)."""
-    if isinstance(value, tuple):
-        return tuple(_resolve_traced(item, count_before) for item in value)
-    if callable(value) and not isinstance(value, Tensor):
-        return value(count_before)
-    return value
-
-
 @dataclass(frozen=True)
 class ElementwiseOptimizer:
     """Base of the pure optimizers whose update is elementwise over the leaves (every optimizer
@@ -145,7 +99,7 @@ class ElementwiseOptimizer:
 
     def __post_init__(self) -> None:
         check_kernels(self.name, self.foreach, self.fused, has_fused=self.has_fused)
-        _hyperparameter_names(type(self))  # known before any trace (dataclass fields are not)
+        hyperparameter_names(type(self))  # known before any trace (dataclass fields are not)
 
     def __getstate__(self) -> dict[str, Any]:
         """The fields only: a pickled or copied optimizer leaves its caches behind (what the
@@ -253,13 +207,13 @@ class ElementwiseOptimizer:
         hyper = self._constant_hyperparameters()
         if hyper is None:
             hyper = {
-                name: _resolve(getattr(self, name), count_before)
-                for name in _hyperparameter_names(type(self))
+                name: resolve(getattr(self, name), count_before)
+                for name in hyperparameter_names(type(self))
             }
-            _check_members(self.name, hyper, leaves)
+            check_members(self.name, hyper, leaves)
         tensors = [*leaves.tensors(), step, *scalars.values()]
         active = leaves.active_params()
-        if LeafOps.differentiable(tensors, [count_before, *_scalars(hyper)]):
+        if LeafOps.differentiable(tensors, [count_before, *scalars_of(hyper)]):
             kernel = DIFFERENTIABLE
         else:
             kernel = eager_kernel(
@@ -303,10 +257,10 @@ class ElementwiseOptimizer:
             return _results(leaves, names, new_step, scalars)
         count_before = step.to(device=leaves.device, dtype=scalar_dtype(leaves.device))
         hyper = {
-            name: _resolve_traced(getattr(self, name), count_before)
-            for name in _hyperparameter_names(type(self))
+            name: resolve(getattr(self, name), count_before)
+            for name in hyperparameter_names(type(self))
         }
-        _check_members(self.name, hyper, leaves)
+        check_members(self.name, hyper, leaves)
         ops = LeafOps(foreach=False)
         run = _gathered(
             DIFFERENTIABLE, ops, leaves, names, count_before + 1, hyper, scalars, False, new_step
@@ -359,8 +313,8 @@ class ElementwiseOptimizer:
         the same every step, so made once."""
         cached = self.__dict__.get("_constant")
         if cached is None:
-            values = {name: getattr(self, name) for name in _hyperparameter_names(type(self))}
-            constant = all(_is_number(value) for value in values.values())
+            values = {name: getattr(self, name) for name in hyperparameter_names(type(self))}
+            constant = all(is_number(value) for value in values.values())
             cached = (values,) if constant else ()
             object.__setattr__(self, "_constant", cached)  # a cache, not a field
         return cached[0] if cached else None
@@ -438,29 +392,5 @@ def _chunk_bounds(leaves: list[Tensor]) -> list[tuple[int, int]]:
     return bounds
 
 
-_KERNEL_FLAGS = ("foreach", "fused")
-
 # Attributes an optimizer sets on itself as caches (`object.__setattr__`), not fields.
 _CACHES = ("_repeat", "_constant")
-
-
-_HYPERPARAMETER_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _hyperparameter_names(cls: type) -> tuple[str, ...]:
-    """The dataclass fields of `cls` that are hyperparameters (not the kernel flags), cached."""
-    names = _HYPERPARAMETER_NAMES.get(cls)
-    if names is None:
-        names = tuple(f.name for f in fields(cls) if f.name not in _KERNEL_FLAGS)
-        _HYPERPARAMETER_NAMES[cls] = names
-    return names
-
-
-def _scalars(hyper: dict[str, Any]) -> list[Any]:
-    found: list[Any] = []
-    for value in hyper.values():
-        if isinstance(value, (tuple, list)):
-            found.extend(value)
-        else:
-            found.append(value)
-    return found
