@@ -296,6 +296,10 @@ WRONG_TREES = {
         "'5.weight': unknown path",
     ),
     "a missing layer": (lambda t: {"0": t["0"]}, "'2.weight': the tree has no tensor there"),
+    "a torch.compile prefix": (
+        lambda t: {"_orig_mod": t},
+        "'_orig_mod.0.weight': the tree's paths start with '_orig_mod.'",
+    ),
     "another shape": (
         lambda t: {**t, "2": {**t["2"], "weight": torch.ones(2, 5)}},
         "'2.weight': shape (2, 5) in the tree, (2, 16) in the module",

@@ -13,6 +13,7 @@ whose message is this one; without it, the call falls back to eager, which raise
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,13 +22,11 @@ from torch import Tensor, nn
 from modstate._core.errors import (
     MissingPaths,
     PathError,
-    UnknownPath,
     dtype_mismatch,
     shape_mismatch,
 )
+from modstate._core.swap.prepare import unknown_path
 from modstate._core.trees.ties import tie_pairs
-
-_UNKNOWN_FIX = "leave it out, or check the key against ms.flatten(ms.extract(module))"
 
 # (kind, path, found, expected): what `problem_while_tracing` found, in constants only (strings,
 # shapes as tuples, dtypes), so that `error_text` can run outside the trace on them.
@@ -48,7 +47,10 @@ def problem_while_tracing(
     for path, leaf in given.items():
         current = own.get(path)
         if current is None:
-            return ("unknown", path, None, None)
+            # the module's paths go along, for the same hints as eager (a submodule's path, a
+            # wrapper's prefix): unknown_path reads no more of the anatomy than these
+            modules = tuple(prefix for prefix, _ in module.named_modules(remove_duplicate=False))
+            return ("unknown", path, modules, tuple(own))
         if strict and isinstance(leaf, Tensor):
             if leaf.shape != current.shape:
                 return ("shape", path, tuple(leaf.shape), tuple(current.shape))
@@ -65,9 +67,8 @@ def engine_error(problem: Problem) -> PathError:
     """The error `prepare` raises for ``problem`` (the engine's, named by no function yet)."""
     kind, path, found, expected = problem
     if kind == "unknown":
-        return UnknownPath(
-            path, "unknown path: the module has no parameter or buffer there", _UNKNOWN_FIX
-        )
+        seen = SimpleNamespace(module_paths=set(found), by_path=set(expected))
+        return unknown_path(seen, path)  # type: ignore[arg-type]  # the two sets it reads
     if kind == "missing":
         return MissingPaths(list(found), "pass strict=False to keep the module's own tensors there")
     # Stand-ins on the meta device carry the shapes and dtypes into the errors' own wording.
