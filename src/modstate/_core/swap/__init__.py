@@ -4,6 +4,8 @@
   runs here, before anything changes);
 - ``swaps``: the prepared swaps, applied and undone, for the calling thread only (calls) or for
   every thread (``inject``, ``swap``);
+- ``unknown``: the error for a path that names no tensor (what is there instead);
+- ``traced``: the same checks while ``torch.compile`` traces, where there is no anatomy;
 - ``parts`` and ``apply_plan``: the reading programs a call and ``apply`` make once per tree
   structure.
 

@@ -25,7 +25,6 @@ from torch.nn.parameter import is_lazy
 
 from modstate._core.errors import (
     MissingPaths,
-    UnknownPath,
     dtype_mismatch,
     meta_leaf,
     shape_mismatch,
@@ -35,6 +34,7 @@ from modstate._core.module.state_dict import Assignment, LoadPlan, plan_load
 from modstate._core.sharded.sharding import partial_leaf
 from modstate._core.swap.parts import read_parts
 from modstate._core.swap.swaps import Swap, UnshardedSwap
+from modstate._core.swap.unknown import unknown_path, wrapper_prefix
 from modstate._core.torch_facts import unwrapped
 from modstate._core.trees.flat import unflatten
 from modstate._core.trees.leaves import leaves_of
@@ -43,12 +43,6 @@ from modstate._core.types import TreeArg
 _is = operator.is_
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 _is_meta = operator.attrgetter("is_meta")
-
-# The prefixes that wrappers put before the paths of the model they hold, and who puts them.
-_WRAPPERS = {
-    "_orig_mod": "torch.compile (an OptimizedModule)",
-    "module": "DistributedDataParallel or DataParallel",
-}
 
 
 def prepare(
@@ -387,7 +381,7 @@ def _judge(anatomy: Anatomy, plan: LoadPlan, strict: bool, check_dtypes: bool) -
     if plan.errors:
         raise ValueError(plan.errors[0])
     if plan.unexpected:
-        wrapped = _wrapper_prefix(anatomy, plan.unexpected[0])
+        wrapped = wrapper_prefix(anatomy, plan.unexpected[0])
         if wrapped is not None:
             raise wrapped
         raise KeyError(
@@ -406,52 +400,3 @@ def _judge(anatomy: Anatomy, plan: LoadPlan, strict: bool, check_dtypes: bool) -
                     f"{a.key!r}: dtype {a.value.dtype} in the tree, {a.current.dtype} in the module "
                     "(strict=False accepts other dtypes)"
                 )
-
-
-def unknown_path(anatomy: Anatomy, path: str) -> UnknownPath:
-    """The error for a tree path that names no slot of the module, saying what is there instead."""
-    wrapped = _wrapper_prefix(anatomy, path)
-    if wrapped is not None:
-        return wrapped
-    if path in anatomy.module_paths:
-        return UnknownPath(
-            path, "is a submodule, not a tensor", "give a dict of its tensors, not a single value"
-        )
-    owner = path.rpartition(".")[0]
-    while owner and owner not in anatomy.module_paths:
-        if owner in anatomy.by_path:
-            return UnknownPath(
-                path, f"{owner!r} is a tensor, not a submodule", f"give {owner!r} itself"
-            )
-        owner = owner.rpartition(".")[0]
-    return UnknownPath(
-        path,
-        "unknown path: the module has no parameter or buffer there",
-        "leave it out, or check the key against ms.flatten(ms.extract(module))",
-    )
-
-
-def _wrapper_prefix(anatomy: Anatomy, path: str) -> UnknownPath | None:
-    """The error for a tree and a module of which one has a wrapper's prefix (``_orig_mod.``
-    from ``torch.compile``, ``module.`` from DDP) and the other has not; None otherwise."""
-    head, _, rest = path.partition(".")
-    wrapper = _WRAPPERS.get(head)
-    if wrapper is not None and rest in anatomy.by_path:
-        return UnknownPath(
-            path,
-            f"the tree's paths start with '{head}.', as those of a model wrapped by {wrapper} "
-            "do, and the module's do not",
-            f"strip the prefix: tree = ms.unflatten(tree)[{head!r}] (a flat state dict or a "
-            "nested tree alike), or, for a state dict, torch.nn.modules.utils."
-            f"consume_prefix_in_state_dict_if_present(state_dict, '{head}.') (in place)",
-        )
-    for head, wrapper in _WRAPPERS.items():
-        if f"{head}.{path}" in anatomy.by_path:
-            return UnknownPath(
-                path,
-                f"the module is wrapped by {wrapper}: its paths start with '{head}.', the "
-                "tree's do not",
-                f"give the tree to the model inside, wrapped.{head} (e.g. "
-                f"ms.call(wrapped.{head}, tree, x)), or add the prefix: {{{head!r}: tree}}",
-            )
-    return None

@@ -25,7 +25,7 @@ from modstate._core.errors import (
     dtype_mismatch,
     shape_mismatch,
 )
-from modstate._core.swap.prepare import unknown_path
+from modstate._core.swap.unknown import unknown_path
 from modstate._core.trees.ties import tie_pairs
 
 # (kind, path, found, expected): what `problem_while_tracing` found, in constants only (strings,
