@@ -296,10 +296,6 @@ WRONG_TREES = {
         "'5.weight': unknown path",
     ),
     "a missing layer": (lambda t: {"0": t["0"]}, "'2.weight': the tree has no tensor there"),
-    "a torch.compile prefix": (
-        lambda t: {"_orig_mod": t},
-        "'_orig_mod.0.weight': the tree's paths start with '_orig_mod.'",
-    ),
     "another shape": (
         lambda t: {**t, "2": {**t["2"], "weight": torch.ones(2, 5)}},
         "'2.weight': shape (2, 5) in the tree, (2, 16) in the module",
@@ -333,3 +329,18 @@ def test_call_names_the_path_while_compiling(mistake: str) -> None:
     with torch._dynamo.config.patch(error_on_recompile=False):
         with pytest.raises(type(eager.value), match=message):
             torch.compile(forward, backend="eager")(tree)
+
+
+def test_a_wrappers_prefix_gets_the_eager_hint_while_compiling() -> None:
+    model = mlp()
+    tree = {"_orig_mod": ms.extract(model, detach=True)}  # a tree from torch.compile(model)
+    x, _ = batch(0)
+    message = re.escape("call: '_orig_mod.0.weight': the tree's paths start with '_orig_mod.'")
+
+    def forward(t: Any) -> torch.Tensor:
+        return ms.call(model, t, x)
+
+    with pytest.raises(KeyError, match=message):
+        forward(tree)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        torch.compile(forward, backend="eager", fullgraph=True)(tree)
