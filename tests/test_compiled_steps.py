@@ -344,3 +344,93 @@ def test_a_wrappers_prefix_gets_the_eager_hint_while_compiling() -> None:
         forward(tree)
     with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
         torch.compile(forward, backend="eager", fullgraph=True)(tree)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        with pytest.raises(KeyError, match=message):
+            torch.compile(forward, backend="eager")(tree)
+
+
+def compiled_frames(fn: Callable) -> int:
+    """How many compiled versions of ``fn``'s frame Dynamo keeps."""
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+
+
+def test_a_frame_dynamo_gave_up_on_runs_the_engine_untraced() -> None:
+    """After a wrong tree's error, Dynamo runs the frame eagerly with its hook still installed;
+    the engine then runs with Dynamo off, not traced function by function (which guarded on the
+    anatomy cache, a weak dictionary, and failed with an IndexError when the collector freed a
+    module mid-compile)."""
+    from modstate._core.module.anatomy import anatomy_of
+    from modstate._core.swap.prepare import prepare
+
+    model = mlp()
+    x, _ = batch(0)
+    good = ms.extract(model, detach=True)
+    wrong = {**good, "2": {**good["2"], "weight": torch.ones(2, 5)}}
+
+    def forward(t: Any) -> torch.Tensor:
+        return ms.call(model, t, x)
+
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        with pytest.raises(ValueError, match=re.escape("'2.weight': shape (2, 5)")):
+            torch.compile(forward, backend="eager")(wrong)
+    assert compiled_frames(anatomy_of) == 0
+    assert compiled_frames(prepare) == 0
+
+
+def test_calls_past_the_recompile_limit_run_eagerly_and_exactly() -> None:
+    """Past ``recompile_limit`` Dynamo runs the frame eagerly: ms.call, ms.apply and inject then
+    run the eager engine, with eager's numbers, and leave the module as it was."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    params, state = ms.split(model, detach=True)
+
+    def step(t: Any, s: Any, x: torch.Tensor) -> tuple:
+        out, new_state = ms.apply(model, t, s, x)
+        with ms.inject(model, ms.tree.combine(t, new_state)):
+            again = model.eval()(x)
+        model.train()
+        return ms.call(model, (t, new_state), x) + out, again
+
+    compiled = torch.compile(step, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=False, recompile_limit=1):
+        for n in range(2, 8):  # a new batch size each call: past the first, no compile
+            t = ms.tree.map(torch.randn_like, params)
+            x = torch.randn(n, 8)
+            got, expected = compiled(t, state, x), step(t, state, x)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            assert all(torch.equal(own[k], v) for k, v in model.state_dict().items())
+
+
+def tied_and_shared() -> nn.Module:
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), shared, nn.ReLU(), shared)
+    model[0].weight = model[2].weight  # tied across modules
+    model.register_buffer("scale", torch.ones(()), persistent=False)
+    return model
+
+
+@pytest.mark.parametrize("buffers", [True, False])
+def test_extract_while_compiling_is_eagers_tree(buffers: bool) -> None:
+    model = tied_and_shared()
+    eager = ms.extract(model, buffers=buffers)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def read(x: torch.Tensor) -> tuple:
+        return ms.extract(model, buffers=buffers), x + 1
+
+    compiled, _ = read(torch.ones(()))
+    assert leaves_by_path(compiled).keys() == leaves_by_path(eager).keys()
+    assert list(leaves_by_path(compiled)) == list(leaves_by_path(eager))  # in the same order
+    for path, leaf in leaves_by_path(compiled).items():
+        assert torch.equal(leaf, leaves_by_path(eager)[path]), path
+    assert compiled["0"]["weight"] is compiled["2"]["weight"]  # the tie stays a tie
+    assert counter.frame_count == 1
+
+
+def leaves_by_path(tree: Any) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    ms.tree.map_with_path(lambda path, leaf: found.setdefault(path, leaf), tree)
+    return found

@@ -15,7 +15,7 @@ from modstate._core.module.anatomy import anatomy_of
 from modstate._core.swap.apply_plan import buffer_owners, copy_buffers, plan_for
 from modstate._core.swap.prepare import prepare_in_plan_order
 from modstate._core.swap.swaps import Swap
-from modstate._core.torch_facts import version
+from modstate._core.torch_facts import eager_route, version
 from modstate._core.trees.flat import is_subtree, iter_leaves
 from modstate._core.types import Tree
 
@@ -31,12 +31,25 @@ def apply(
         raise TypeError(
             f"apply: state must be a tree (a dict of tensors), got {type(state).__name__}"
         )
-    compiling = torch.compiler.is_compiling()
-    if not compiling and type(params) is dict:
+    if torch.compiler.is_compiling():
+        return _apply(module, params, state, args, kwargs, compiling=True)
+    return eager_route(_eager_apply, module, params, state, args, kwargs)
+
+
+def _eager_apply(
+    module: nn.Module, params: Any, state: Tree, args: tuple, kwargs: dict
+) -> tuple[Any, Tree]:
+    if type(params) is dict:
         fast = _apply_in_plan_order(module, params, state, args, kwargs)
         if fast is not None:
             return fast
-    # The general route: any tree shapes, precise errors, and what Dynamo can trace.
+    return _apply(module, params, state, args, kwargs, compiling=False)
+
+
+def _apply(
+    module: nn.Module, params: Any, state: Tree, args: tuple, kwargs: dict, *, compiling: bool
+) -> tuple[Any, Tree]:
+    """The general route: any tree shapes, precise errors, and what Dynamo can trace."""
     # Which paths hold buffers (copied) rather than frozen parameters (passed as they are).
     if compiling:
         buffers = {path for path, _ in module.named_buffers(remove_duplicate=False)}

@@ -11,7 +11,7 @@ from modstate._core.errors import DtypeMismatch, MissingPaths, PathError, ShapeM
 from modstate._core.swap.prepare import prepare
 from modstate._core.swap.swaps import Swap
 from modstate._core.swap.traced import BUILTIN, Problem, engine_error, problem_while_tracing
-from modstate._core.torch_facts import write_back
+from modstate._core.torch_facts import eager_route, write_back
 from modstate._core.trees.flat import flatten, unflatten
 from modstate._core.types import TreeArg
 
@@ -102,6 +102,12 @@ def _stateless(
     thread, then run the module with it."""
     if torch.compiler.is_compiling():
         return call_while_compiling(module, tree, args, kwargs, strict=strict)
+    return eager_route(_eager_stateless, name, module, tree, args, kwargs, strict)
+
+
+def _eager_stateless(
+    name: str, module: nn.Module, tree: TreeArg, args: tuple, kwargs: dict, strict: bool
+) -> Any:
     try:
         swap = prepare(module, tree, strict, compute=True, private=True)
     except PathError as error:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
+from torch.compiler import is_dynamo_compiling
 
 from modstate._core.errors import not_a_module
 from modstate._core.module.anatomy import anatomy_of
 from modstate._core.module.state_dict import state_dict_tree
+from modstate._core.torch_facts import eager_route
 from modstate._core.trees.flat import iter_leaves, unflatten
 from modstate._core.types import Tree
 
@@ -74,15 +76,33 @@ def extract(
         raise not_a_module("extract", module)
     if use_state_dict:
         tree = state_dict_tree(module, buffers=buffers)
+    elif is_dynamo_compiling():
+        tree = _read_while_compiling(module, buffers)
     else:
-        anatomy = anatomy_of(module)
-        if buffers:
-            tree = anatomy.new_tree(anatomy.holding)
-        else:
-            tree = unflatten(
-                {slot.path: slot.get() for slot in anatomy.slots if not slot.is_buffer}
-            )
+        tree = eager_route(_read, module, buffers)
     return detached(tree, copy=copy) if detach or copy else tree
+
+
+def _read(module: nn.Module, buffers: bool) -> Tree:
+    anatomy = anatomy_of(module)
+    if buffers:
+        return anatomy.new_tree(anatomy.holding)
+    return unflatten({slot.path: slot.get() for slot in anatomy.slots if not slot.is_buffer})
+
+
+def _read_while_compiling(module: nn.Module, buffers: bool) -> Tree:
+    """What `_read` returns, read as Dynamo can trace it (a trace cannot build or cache an
+    anatomy): the anatomy's walk is ``named_modules``' (each module once, depth first), and
+    each module's own parameters, then its buffers."""
+    flat: dict[str, Tensor] = {}
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        tables = (sub._parameters, sub._buffers) if buffers else (sub._parameters,)
+        for table in tables:
+            for name, tensor in table.items():
+                if tensor is not None:
+                    flat[dot + name] = tensor
+    return unflatten(flat)
 
 
 def detached(tree: Tree, *, copy: bool = False) -> Tree:

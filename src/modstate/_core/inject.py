@@ -11,6 +11,7 @@ from modstate._core.errors import (
 from modstate._core.module.anatomy import anatomy_of, forget
 from modstate._core.swap.prepare import prepare, prepare_hooked
 from modstate._core.swap.swaps import HookedSwap, Swap
+from modstate._core.torch_facts import eager_route
 from modstate._core.types import Tree, TreeArg
 
 
@@ -86,6 +87,9 @@ class inject:
         self._swap: Swap | None = None
 
     def __enter__(self) -> nn.Module:
+        return eager_route(self._enter)
+
+    def _enter(self) -> nn.Module:
         if self._swap is not None:
             raise RuntimeError(
                 "inject: this inject(...) block is already active; make a new inject(...) for "
@@ -109,7 +113,7 @@ class inject:
     def __exit__(self, *exc_info: object) -> None:
         swap, self._swap = self._swap, None
         if swap is not None:
-            swap.undo()
+            eager_route(swap.undo)
 
 
 def swap(

@@ -22,6 +22,7 @@ from modstate._core.module.state_dict import run_overridden_loads
 from modstate._core.sharded.sharding import loadable
 from modstate._core.swap.prepare import prepare, prepare_hooked
 from modstate._core.swap.swaps import Swap
+from modstate._core.torch_facts import eager_route
 from modstate._core.types import TreeArg
 
 
@@ -86,7 +87,7 @@ def load(
         (device(type='cpu'), 'Parameter', True)
     """
     try:
-        _load(module, tree, strict, use_state_dict, assign)
+        eager_route(_load, module, tree, strict, use_state_dict, assign)
     except PathError as error:
         fixes: dict[type, str | None] = {
             DtypeMismatch: "strict=False assigns the tree's dtypes"

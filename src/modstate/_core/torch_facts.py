@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+from torch.compiler import is_dynamo_compiling
+
+T = TypeVar("T")
 
 # The dtypes that autograd differentiates and optimizers step: floating point and complex. (A
 # set, for the common case's one lookup; `is_trainable` says it in full for any tensor.)
@@ -49,6 +52,38 @@ def is_dtensor(value: Any) -> bool:
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is running."""
     return bool(torch._C._are_functorch_transforms_active())
+
+
+def _dynamo_callback() -> Any:
+    """Dynamo's per-frame hook as torch's C side holds it (private: a function answering None
+    where a torch release moved it, and `eager_route` then never turns Dynamo off)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:
+        return lambda: None
+    return get_eval_frame_callback
+
+
+_frame_hook = _dynamo_callback()
+
+
+def eager_route(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, the eager engine of a verb, run where Dynamo cannot reach it.
+
+    A frame that ``torch.compile`` gave up on (an error raised in the trace, the recompile limit)
+    runs eagerly with Dynamo still installed, and Dynamo then traces every function it calls
+    as a frame of its own. The eager engine traced piecemeal reads its caches as Dynamo sees
+    them (guards on a weak dictionary whose keys the collector removes mid-compile fail with an
+    IndexError) and its slot tables as plain dicts (the compiled semantics, which a swap outside
+    a trace must not have). So while a hook is installed the engine runs with Dynamo off, as
+    ``torch.compiler.disable`` does; otherwise, the common case, it costs two C-speed checks (50 ns).
+    Reached in a trace (a verb with no compiled route), the call graph-breaks there and runs
+    eagerly; under ``fullgraph=True`` Dynamo refuses it, naming ``fn``."""
+    # is_dynamo_compiling first: Dynamo folds it to True and never meets the C call it cannot
+    # trace (and it costs a third of torch.compiler.is_compiling, which also asks TorchScript)
+    if is_dynamo_compiling() or _frame_hook():
+        return torch.compiler.disable(fn)(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def write_back(tree: dict[str, Any], changed: Mapping[str, Any]) -> None:
