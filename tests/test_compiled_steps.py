@@ -102,7 +102,7 @@ def bn_apply_ema() -> tuple:
 
 def ensemble_step(lr: Any = 1e-3) -> tuple:
     """A 4-member Ensemble trained through ms.apply, one Adam over the stacked trees."""
-    ens = ms.Ensemble(members())
+    ens = ms.Ensemble(members(), route="batched")
     params, state = ms.split(ens, detach=True)
     opt = ms.optim.adam(lr=lr)
 
@@ -281,7 +281,7 @@ def test_donate_is_accepted_while_compiling() -> None:
 
 
 def test_an_ensemble_forward_compiles_once() -> None:
-    ens = ms.Ensemble(members())
+    ens = ms.Ensemble(members(), route="batched")
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(ens, backend=counter, fullgraph=True)
     for i in range(STEPS):

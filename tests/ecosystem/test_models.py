@@ -235,7 +235,7 @@ ENSEMBLED = {"Linear", "Conv2d", "Embedding", "BatchNorm2d", "MultiheadAttention
 def test_ensemble_equals_a_loop_of_copies(spec):
     models = copies(spec)
     expected_out, expected_grads = loop_outputs_and_grads(spec, models)
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     out = spec.output(ensemble(*spec.inputs()))
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
     (out * weights_for(out[0])).sum().backward()
@@ -252,7 +252,9 @@ def test_ensemble_equals_a_loop_of_copies(spec):
 def test_ensemble_in_inference_equals_a_loop_of_copies(spec):
     # Without autograd, CNNs run channels-last from their stem on (_kernels/conv.py).
     models = copies(spec)
-    ensemble = ms.Ensemble(copies(spec))  # the same seeds (a deep copy of an fx graph trains)
+    ensemble = ms.Ensemble(
+        copies(spec), route="batched"
+    )  # the same seeds (a deep copy of an fx graph trains)
     with torch.no_grad():
         expected = torch.stack([run(spec, model) for model in models])
         out = spec.output(ensemble(*spec.inputs()))
@@ -266,7 +268,7 @@ def test_ensemble_in_training_mode_updates_each_members_batch_norm_statistics(sp
         for layer in model.modules():
             if isinstance(layer, nn.Dropout):
                 layer.eval()
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     references = [copy.deepcopy(m) for m in models]
     exact = [copy.deepcopy(m).double() for m in models]
     for _ in range(2):

@@ -61,7 +61,7 @@ def assert_like_the_loop(
     kwargs = kwargs or {}
     models = seeded_members(factory, count)
     references = [copy.deepcopy(m) for m in models]
-    ensemble = ms.Ensemble(models, in_dims=in_dims)
+    ensemble = ms.Ensemble(models, in_dims=in_dims, route="batched")
     torch.manual_seed(100)
     for step, training in enumerate(modes):
         inputs = make_inputs()

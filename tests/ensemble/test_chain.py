@@ -95,8 +95,8 @@ def test_ensemble_equals_the_loop_and_the_vmap_path_with_the_same_gradients(laye
     factory, shape = LAYERS[layer]
     models = [m.train(layer in TRAINING) for m in seeded(factory, 3)]
     before = [snapshot(m) for m in models]
-    fast = ms.Ensemble(models, in_dims=in_dims)
-    reference = ms.Ensemble(models, in_dims=in_dims, fast=False)
+    fast = ms.Ensemble(models, in_dims=in_dims, route="batched")
+    reference = ms.Ensemble(models, in_dims=in_dims, fast=False, route="batched")
     torch.manual_seed(1)
     x = torch.randn(*shape) if in_dims is None else torch.randn(3, *shape)
     out = fast(x)
@@ -121,7 +121,7 @@ def test_ensemble_equals_the_loop_and_the_vmap_path_with_the_same_gradients(laye
 
 def test_ensemble_batchnorm_statistics_update_per_member():
     models = seeded(cnn, 3)  # training mode
-    ensemble = ms.Ensemble(models, in_dims=0)
+    ensemble = ms.Ensemble(models, in_dims=0, route="batched")
     x = torch.randn(3, 4, 3, 8, 8)
     out = ensemble(x)
     torch.testing.assert_close(out, loop(models, x, in_dims=0), atol=ATOL, rtol=0)
@@ -142,13 +142,15 @@ def test_dropout_masks_follow_randomness(fast, rows):
     reference = loop([m.eval() for m in models], x)
     for m in models:
         m.train()
-    out = ms.Ensemble(models, randomness="different", fast=fast)(x)
+    out = ms.Ensemble(models, randomness="different", fast=fast, route="batched")(x)
     assert not torch.equal(out[0] == 0, out[1] == 0)
-    same = ms.Ensemble(models, randomness="same", fast=fast)
+    same = ms.Ensemble(models, randomness="same", fast=fast, route="batched")
     drawn = same(x)
     assert torch.equal(drawn[0], drawn[2])
     assert ("features first" in same.plan.summary) == fast  # where the input is rows
-    refuses = ms.Ensemble(models, fast=fast)  # the default, as vmap_call's: "error"
+    refuses = ms.Ensemble(
+        models, fast=fast, route="batched"
+    )  # the default, as vmap_call's: "error"
     assert refuses.randomness == "error"
     with pytest.raises(RuntimeError, match="randomness"):
         refuses(x)
@@ -160,7 +162,7 @@ def test_a_sequential_with_hooks_runs_under_vmap_so_the_hooks_run():
     models = seeded(lambda: nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.Linear(16, 3)), 2)
     calls = []
     models[0][0].register_forward_hook(lambda module, args, out: calls.append(out.shape))
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     assert "without vmap" not in ensemble.plan.summary
     out = ensemble(torch.randn(3, 5))
     assert calls and calls[-1] == (3, 16)  # each member's view: the hook sees one model
@@ -201,7 +203,10 @@ def test_rows_run_features_first_and_equal_the_loop(case, in_dims):
 def test_features_first_second_order_gradients_equal_the_loops():
     torch.manual_seed(0)
     members = [ROWS["batch_norm_mlp"]().double() for _ in range(3)]
-    ensemble, x = ms.Ensemble(copy.deepcopy(members)), torch.randn(7, 5, dtype=torch.float64)
+    ensemble, x = (
+        ms.Ensemble(copy.deepcopy(members), route="batched"),
+        torch.randn(7, 5, dtype=torch.float64),
+    )
 
     def gradient_norm(out: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         grads = torch.autograd.grad(out.square().sum(), weights, create_graph=True)
@@ -233,7 +238,7 @@ def test_other_chains_run_batch_major(factory):
 
 
 def test_features_first_under_torch_func_grad_equals_plain_autograd():
-    ensemble = ms.Ensemble(seeded(ROWS["batch_norm_mlp"], 3))
+    ensemble = ms.Ensemble(seeded(ROWS["batch_norm_mlp"], 3), route="batched")
     params, state = ms.split(ensemble, detach=True)
     x = torch.randn(7, 5)
 

@@ -30,7 +30,7 @@ def test_graph_modules_with_the_same_code_stack_though_fx_makes_a_class_per_copy
     stacked = ms.stack_modules([gm, twin])
     assert stacked["0"]["weight"].shape == (2, 4, 3)
     x = torch.randn(5, 3)
-    ensemble = ms.Ensemble([gm, twin])
+    ensemble = ms.Ensemble([gm, twin], route="batched")
     torch.testing.assert_close(ensemble(x), torch.stack([gm(x), twin(x)]))
 
 
@@ -82,7 +82,7 @@ def test_the_ensemble_template_has_the_originals_flags_whatever_deepcopy_does():
         m.eval()
         m.lin.bias.requires_grad_(False)
     assert copy.deepcopy(models[0]).training  # what the class's copy does by itself
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     x = torch.randn(5, 3)
     torch.testing.assert_close(ensemble(x), torch.stack([m(x) for m in models]))
     member = ensemble.member(1)
@@ -130,7 +130,7 @@ def test_an_input_with_another_member_count_is_named_with_both_counts():
     torch.testing.assert_close(
         out, torch.stack([m(x[i]) for i, m in enumerate(models)]), atol=1e-5, rtol=0
     )
-    ensemble = ms.Ensemble(models, in_dims=0)
+    ensemble = ms.Ensemble(models, in_dims=0, route="batched")
     with pytest.raises(ValueError, match="input 0 has 3 members along dim 0.*the ensemble has 4"):
         ensemble(torch.randn(3, 5, 3))
 
@@ -169,8 +169,8 @@ def test_one_randomness_default_for_vmap_call_and_ensemble():
     with pytest.raises(RuntimeError, match="randomness"):
         ms.vmap_call(models[0], stacked, x)
     with pytest.raises(RuntimeError, match="randomness"):
-        ms.Ensemble(models)(x)
-    assert ms.Ensemble(models).randomness == "error"
+        ms.Ensemble(models, route="batched")(x)
+    assert ms.Ensemble(models, route="batched").randomness == "error"
     out = ms.vmap_call(models[0], stacked, x, randomness="different")
     assert not torch.equal(out[0] == 0, out[1] == 0)
 
@@ -191,10 +191,10 @@ def test_a_random_op_under_vmap_names_the_fix_for_ensemble_and_vmap_call_and_it_
     models = seeded(lambda: NoisyBlock().train(), 2)
     x = torch.ones(4, 3)
     with pytest.raises(RuntimeError, match="randomness error mode") as refused:
-        ms.Ensemble(models)(x)
+        ms.Ensemble(models, route="batched")(x)
     note = "\n".join(refused.value.__notes__)
     assert "ms.Ensemble(models, randomness='different')" in note
-    out = ms.Ensemble(models, randomness="different")(x)  # the fix the note names
+    out = ms.Ensemble(models, randomness="different", route="batched")(x)  # the fix the note names
     assert not torch.equal(out[0] == 0, out[1] == 0)
 
     stacked = ms.stack_modules(models)

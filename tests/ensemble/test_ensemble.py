@@ -30,7 +30,7 @@ def test_every_zoo_model_runs_as_an_ensemble(case):
         ms.vmap_call(base, ms.stack_modules(models), x), expected, atol=ATOL, rtol=0
     )
     assert_unchanged(base, before)
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     torch.testing.assert_close(ensemble(x), expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(ensemble.member(1)(x), models[1](x), atol=ATOL, rtol=0)
     assert_unchanged(base, before)
@@ -53,12 +53,12 @@ def test_random_module_trees_run_as_ensembles(tree):
     else:  # no state and a shared input: vmap_call cannot tell how many members there are
         with pytest.raises(ValueError, match="how many members"):
             ms.vmap_call(models[0], stacked, x)
-    torch.testing.assert_close(ms.Ensemble(models)(x), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ms.Ensemble(models, route="batched")(x), expected, atol=ATOL, rtol=0)
 
 
 def test_ensemble_trains_with_torch_optim():
     torch.manual_seed(0)
-    ensemble = ms.Ensemble.from_factory(mlp, 4)
+    ensemble = ms.Ensemble.from_factory(mlp, 4, route="batched")
     models_before = [copy.deepcopy(m) for m in ensemble.members()]
     optimizer = torch.optim.Adam(ensemble.parameters(), lr=1e-2)
     x, y = torch.randn(32, 5), torch.randn(32, 3)
@@ -77,14 +77,14 @@ def test_ensemble_trains_with_torch_optim():
 
 def test_state_dict_round_trips_and_uses_the_models_paths():
     models = seeded(cnn, 2)
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     state = ensemble.state_dict()
     assert list(state) == [f"stacked.{key}" for key in models[0].state_dict()]
     assert state["stacked.0.weight"].shape == (2, 4, 3, 3, 3)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    other = ms.Ensemble(seeded(cnn, 2, seed=1)).eval()
+    other = ms.Ensemble(seeded(cnn, 2, seed=1), route="batched").eval()
     other.load_state_dict(torch.load(buffer))
     x = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(other(x), ensemble.eval()(x), atol=ATOL, rtol=0)
@@ -94,7 +94,7 @@ def test_state_dict_round_trips_and_uses_the_models_paths():
 
 def test_to_double_and_deepcopy():
     models = seeded(cnn, 2)
-    ensemble = ms.Ensemble(models).eval()
+    ensemble = ms.Ensemble(models, route="batched").eval()
     x = torch.randn(2, 3, 8, 8)
     expected = ensemble(x)
     assert ensemble.double() is ensemble
@@ -120,7 +120,7 @@ def test_member_is_an_ordinary_independent_module():
     models = seeded(cnn, 3)
     for model in models:
         model[0].bias.requires_grad_(False)
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     member = ensemble.member(1)
     assert type(member) is nn.Sequential and member.training
     assert isinstance(member[0].weight, nn.Parameter)
@@ -143,7 +143,7 @@ def test_member_is_an_ordinary_independent_module():
 def test_ensemble_leaves_the_models_alone_and_train_eval_reach_every_layer():
     models = seeded(cnn, 2)
     before = [snapshot(m) for m in models]
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     ensemble(torch.randn(2, 3, 8, 8)).sum().backward()
     for model, then in zip(models, before, strict=True):
         assert_unchanged(model, then)
@@ -163,7 +163,7 @@ def test_ensemble_with_several_inputs_runs_under_vmap():
 
     models = seeded(Pair, 3)
     x, y = torch.randn(4, 3), torch.randn(3, 4, 2)
-    out = ms.Ensemble(models, in_dims=(None, 0))(x, y)
+    out = ms.Ensemble(models, in_dims=(None, 0), route="batched")(x, y)
     torch.testing.assert_close(
         out, torch.stack([m(x, y[i]) for i, m in enumerate(models)]), atol=ATOL, rtol=0
     )
@@ -173,17 +173,20 @@ def test_ensemble_with_several_inputs_runs_under_vmap():
 def test_compiled_ensemble_equals_eager():
     models = seeded(mlp, 3)
     x = torch.randn(4, 5)
-    compiled = ms.Ensemble(models, compile=True)
+    compiled = ms.Ensemble(models, compile=True, route="batched")
     assert "compiled" in repr(compiled)
-    torch.testing.assert_close(compiled(x), ms.Ensemble(models)(x), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        compiled(x), ms.Ensemble(models, route="batched")(x), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.slow
 def test_torch_compile_of_a_second_ensemble_with_dynamic_false_as_the_docstring_says():
-    torch.compile(ms.Ensemble(seeded(mlp, 3)))(torch.randn(4, 5))
+    torch.compile(ms.Ensemble(seeded(mlp, 3), route="batched"))(torch.randn(4, 5))
     # The next ensemble compiled in this process gets dynamic shapes unless told otherwise.
     convolutional = ms.Ensemble(
-        seeded(lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), 3)
+        seeded(lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), 3),
+        route="batched",
     ).eval()
     x = torch.randn(2, 3, 6, 6)
     compiled = torch.compile(convolutional, dynamic=False)
@@ -194,29 +197,31 @@ def test_mesh_none_is_the_one_process_ensemble():
     # Code that takes mesh from a launcher passes None on one process.
     models = seeded(mlp, 3)
     x = torch.randn(4, 5)
-    torch.testing.assert_close(ms.Ensemble(models, mesh=None)(x), ms.Ensemble(models)(x))
+    torch.testing.assert_close(
+        ms.Ensemble(models, mesh=None, route="batched")(x), ms.Ensemble(models, route="batched")(x)
+    )
     torch.manual_seed(3)
-    built = ms.Ensemble.from_factory(mlp, 3, mesh=None)
+    built = ms.Ensemble.from_factory(mlp, 3, mesh=None, route="batched")
     torch.manual_seed(3)
-    torch.testing.assert_close(built(x), ms.Ensemble.from_factory(mlp, 3)(x))
+    torch.testing.assert_close(built(x), ms.Ensemble.from_factory(mlp, 3, route="batched")(x))
 
 
 def test_options_are_checked_and_named():
     models = seeded(mlp, 2)
     with pytest.raises(ValueError, match="Ensemble: randomness='sometimes'; use one of 'error'"):
-        ms.Ensemble(models, randomness="sometimes")
+        ms.Ensemble(models, randomness="sometimes", route="batched")
     with pytest.raises(TypeError, match="Ensemble: in_dims is a str; give None, an int or a tuple"):
-        ms.Ensemble(models, in_dims="0")
+        ms.Ensemble(models, in_dims="0", route="batched")
     with pytest.raises(ValueError, match="Ensemble: no models; give at least one"):
-        ms.Ensemble([])
+        ms.Ensemble([], route="batched")
     with pytest.raises(ValueError, match="Ensemble.from_factory: n=0; give a positive int"):
-        ms.Ensemble.from_factory(mlp, 0)
+        ms.Ensemble.from_factory(mlp, 0, route="batched")
 
 
 def test_help_shows_the_real_signature_and_documented_options():
     signature = inspect.signature(ms.Ensemble)
     assert list(signature.parameters) == [
-        "modules", "compile", "in_dims", "randomness", "fast", "mesh",
+        "modules", "compile", "in_dims", "randomness", "fast", "mesh", "route",
     ]  # fmt: skip
     assert signature.parameters["mesh"].default is None
     factory_signature = inspect.signature(ms.Ensemble.from_factory)
@@ -224,7 +229,7 @@ def test_help_shows_the_real_signature_and_documented_options():
     doc = inspect.getdoc(ms.Ensemble)
     for section in ("Args:", "Raises:", "Example:"):
         assert section in doc
-    for option in ("modules:", "compile:", "in_dims:", "randomness:", "fast:", "mesh:"):
+    for option in ("modules:", "compile:", "in_dims:", "randomness:", "fast:", "mesh:", "route:"):
         assert option in doc
     assert "BatchNorm1d/2d/3d" in doc and "_sharded" not in doc
     assert "Args:" in inspect.getdoc(ms.Ensemble.forward)  # not torch's generic forward text
@@ -234,7 +239,7 @@ def test_help_shows_the_real_signature_and_documented_options():
 
 def test_a_stateless_call_and_torch_func_grad_go_through_an_ensemble():
     models = seeded(cnn, 3)
-    ensemble = ms.Ensemble(models).eval()
+    ensemble = ms.Ensemble(models, route="batched").eval()
     x = torch.randn(2, 3, 8, 8)
     params = {name: p.detach() for name, p in ensemble.named_parameters()}
     rest = {name: b.detach() for name, b in ensemble.named_buffers()}

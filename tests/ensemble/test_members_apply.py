@@ -103,7 +103,7 @@ def test_forward_under_vmap_equals_the_ensemble_and_follows_eval_and_settings():
 
     out, new_state = run()
     with torch.no_grad():
-        close(out, ms.Ensemble(models)(x), "train-mode outputs")
+        close(out, ms.Ensemble(models, route="batched")(x), "train-mode outputs")
     for i, model in enumerate(copy.deepcopy(models)):
         model(x)
         close(new_state["1"]["running_mean"][i], model[1].running_mean, f"stats of member {i}")

@@ -50,7 +50,7 @@ def routes_of(ensemble: ms.Ensemble) -> dict[str, ms.ensemble._plan.Route]:
 
 
 def test_every_layer_has_a_route_and_every_fallback_a_reason():
-    ensemble = ms.Ensemble(seeded(WithToken))
+    ensemble = ms.Ensemble(seeded(WithToken), route="batched")
     routes = routes_of(ensemble)
     assert routes["body.0"].how == "batched matmul" and routes["body.0"].fallback is None
     assert routes["body.1"].how == "elementwise"
@@ -75,7 +75,7 @@ def test_parametrized_and_hook_computed_weights_fall_back_with_the_reason():
             nn.Linear(4, 2),
         )
 
-    ensemble = ms.Ensemble(seeded(model))
+    ensemble = ms.Ensemble(seeded(model), route="batched")
     routes = routes_of(ensemble)
     assert "parametrize" in routes["0"].fallback
     assert "hook" in routes["1"].fallback
@@ -85,17 +85,17 @@ def test_parametrized_and_hook_computed_weights_fall_back_with_the_reason():
 
 def test_the_summary_says_which_path_runs():
     mlp = lambda: nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))  # noqa: E731
-    assert "without vmap" in ms.Ensemble(seeded(mlp)).plan.summary
-    assert "fast=False" in ms.Ensemble(seeded(mlp), fast=False).plan.summary
-    reference = ms.Ensemble(seeded(mlp), fast=False).plan
+    assert "without vmap" in ms.Ensemble(seeded(mlp), route="batched").plan.summary
+    assert "fast=False" in ms.Ensemble(seeded(mlp), fast=False, route="batched").plan.summary
+    reference = ms.Ensemble(seeded(mlp), fast=False, route="batched").plan
     linears = [route for route in reference.routes if "weight" in route.how]
     assert len(linears) == 2 and all(route.fallback is not None for route in linears)
-    tree = ms.Ensemble(seeded(WithToken)).plan.summary
+    tree = ms.Ensemble(seeded(WithToken), route="batched").plan.summary
     assert "under torch.vmap" in tree
 
 
 def test_repr_shows_the_members_and_the_plan():
-    text = repr(ms.Ensemble(seeded(WithToken, 3)))
+    text = repr(ms.Ensemble(seeded(WithToken, 3), route="batched"))
     assert text.startswith("Ensemble(\n  members=3, parameters=")
     assert re.search(
         r"body\.0 +Linear\(in_features=6, out_features=6, bias=True\)  -> batched matmul", text
@@ -126,7 +126,7 @@ class Blocks(nn.Module):
 
 
 def test_folded_attention_is_noted_with_the_layers_that_call_it():
-    ensemble = ms.Ensemble(seeded(Blocks))
+    ensemble = ms.Ensemble(seeded(Blocks), route="batched")
     assert ensemble.plan.notes == []  # seen on the first call
     x = torch.randn(2, 5, 8)
     expected = torch.stack([m(x) for m in seeded(Blocks)])
@@ -144,7 +144,9 @@ class ScaledLinear(nn.Linear):
 
 
 def test_a_subclass_of_a_kernel_layer_runs_its_own_forward_and_says_why():
-    ensemble = ms.Ensemble(seeded(lambda: nn.Sequential(ScaledLinear(3, 2), nn.Tanh())))
+    ensemble = ms.Ensemble(
+        seeded(lambda: nn.Sequential(ScaledLinear(3, 2), nn.Tanh())), route="batched"
+    )
     (fallback,) = ensemble.plan.fallbacks
     assert "ScaledLinear" in fallback.fallback and "a subclass of nn.Linear" in fallback.fallback
     x = torch.randn(4, 3)

@@ -75,7 +75,7 @@ class Counter(nn.Module):
 
 def test_a_buffer_that_forward_reassigns_lands_in_the_stacked_state():
     models = seeded_members(Counter)
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     for _ in range(2):
         ensemble(torch.randn(2, 3))
     assert ensemble.stacked.count.tolist() == [2.0, 2.0, 2.0]
@@ -99,7 +99,7 @@ def test_hooks_on_a_batched_layer_run_and_see_one_members_view():
     models[0].fc.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
     for model in models:  # a pre-hook that changes the input: the kernel gets the new input
         model.out.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     x = torch.randn(5, 4)
     out = ensemble(x)
     assert seen[-1] == (5, 6)  # the hook ran, on one member's shape
@@ -112,7 +112,7 @@ def test_hooks_on_a_batched_layer_run_and_see_one_members_view():
 
 def test_the_models_and_members_never_see_a_kernel():
     models = seeded_members(Glue)
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     ensemble(torch.randn(2, 3, 6, 6))
     for module in [*models, ensemble.member(0), ensemble._template]:
         assert all("forward" not in vars(m) for m in module.modules())
@@ -135,7 +135,7 @@ class Attending(nn.Module):
 
 @pytest.mark.parametrize("factory", [Glue, Attending], ids=["glue", "attention"])
 def test_one_ensemble_called_from_several_threads_at_once(factory):
-    ensemble = ms.Ensemble(seeded_members(factory)).eval()
+    ensemble = ms.Ensemble(seeded_members(factory), route="batched").eval()
     shape = (2, 3, 6, 6) if factory is Glue else (2, 5, 8)
     inputs = [torch.randn(*shape, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     with torch.no_grad():
@@ -175,7 +175,7 @@ class InPlaceBlock(nn.Module):
 def test_in_place_writes_into_kernel_outputs_are_learned_then_cost_no_view_rewrite(in_dims):
     lead = () if in_dims is None else (3,)
     shape = (*lead, 2, 3, 5, 5)
-    ensemble = ms.Ensemble(seeded_members(InPlaceBlock), in_dims=in_dims)
+    ensemble = ms.Ensemble(seeded_members(InPlaceBlock), in_dims=in_dims, route="batched")
     with torch.no_grad():
         ensemble(torch.randn(shape))  # without autograd there is nothing to learn
     first = ensemble(torch.randn(shape))
@@ -189,7 +189,7 @@ def test_in_place_writes_into_kernel_outputs_are_learned_then_cost_no_view_rewri
 
 
 def test_in_place_writes_are_learned_by_each_threads_runner_with_exact_results():
-    ensemble = ms.Ensemble(seeded_members(InPlaceBlock)).train()
+    ensemble = ms.Ensemble(seeded_members(InPlaceBlock), route="batched").train()
     inputs = [torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
     def output_and_input_gradient(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,7 +148,7 @@ def test_stack_modules_refuses_models_that_differ(other, message):
     with pytest.raises((ValueError, TypeError), match=f"stack_modules: {message}"):
         ms.stack_modules([Mismatch(), other()])
     with pytest.raises((ValueError, TypeError), match=f"stack_modules: {message}"):
-        ms.Ensemble([Mismatch(), other()])
+        ms.Ensemble([Mismatch(), other()], route="batched")
 
 
 def test_stack_modules_through_state_dict_keeps_equal_extra_state_once():

@@ -80,7 +80,7 @@ def test_the_new_statistics_serve_the_averaged_weights():
 
 def test_an_ensemble_gets_each_members_own_statistics():
     models, batches = [trained(seed) for seed in range(3)], loader()
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     params, state = ms.split(ensemble, detach=True)
     before = {k: v.clone() for k, v in ensemble.state_dict().items()}
 

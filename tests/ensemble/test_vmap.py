@@ -128,7 +128,7 @@ def test_vmap_call_writes_reassigned_buffers_back():
     ms.vmap_call(models[0], stacked, torch.randn(2))
     assert stacked["count"].tolist() == [1.0, 1.0, 1.0]
     assert models[0].count.item() == 0.0
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     ensemble(torch.randn(2))
     ensemble(torch.randn(2))
     assert ensemble.stacked.count.tolist() == [2.0, 2.0, 2.0]

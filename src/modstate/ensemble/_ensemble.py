@@ -14,6 +14,7 @@ from modstate._core.trees.flat import Layout, flatten
 from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain
+from ._choice import ROUTES, ForwardChoice, loop_forward, member_trees
 from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
 from ._plan import Plan
@@ -74,6 +75,15 @@ class Ensemble(nn.Module):
             members over its ranks: the stacked tensors are ``DTensor`` s sharded on the member
             dim, each rank stores and runs only its members, and ``forward`` returns outputs
             sharded on the member dim (every rank passes all N models and keeps its own).
+        route: how ``forward`` runs: ``"auto"`` (default) measures, at the first call with new
+            inputs (shapes, dtypes, other arguments, train or eval, grad or not), the batched
+            forward and a loop over the members (``ms.call`` of each member's views of the
+            stacked tensors), and keeps the faster for those inputs; ``"batched"`` or
+            ``"loop"`` pin one. The choices and their times are in ``plan``. Measuring (about
+            six forward and backward passes, once per input signature) changes no tensor and
+            no random state; it is skipped (batched) while compiling, under ``torch.func``,
+            with ``compile=True`` or ``fast=False``, in training mode with a ``randomness``
+            other than ``"error"``, and on a mesh's ranks.
 
     Raises:
         TypeError: an entry of ``modules`` is not an ``nn.Module``, a submodule's type differs,
@@ -114,9 +124,10 @@ class Ensemble(nn.Module):
         randomness: str = "error",
         fast: bool = True,
         mesh: Any = None,
+        route: str = "auto",
     ) -> None:
         super().__init__()
-        options = _options("Ensemble", compile, in_dims, randomness, fast)
+        options = _options("Ensemble", compile, in_dims, randomness, fast, route)
         modules = list(modules)
         if not modules:
             raise ValueError("Ensemble: no models; give at least one")
@@ -125,7 +136,7 @@ class Ensemble(nn.Module):
             self._own(private_copy(modules[0]), stacked, len(modules), options)
             return
         shards = MemberShards(mesh, len(modules), "Ensemble")
-        local = Ensemble([modules[i] for i in shards.here], **options)
+        local = Ensemble([modules[i] for i in shards.here], **_on_ranks(options))
         self._shard(local, shards)
 
     @classmethod
@@ -140,6 +151,7 @@ class Ensemble(nn.Module):
         fast: bool = True,
         mesh: Any = None,
         seeds: Sequence[int] | None = None,
+        route: str = "auto",
     ) -> Ensemble:
         """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
 
@@ -169,6 +181,7 @@ class Ensemble(nn.Module):
             seeds: one ``torch.manual_seed`` seed per member (``n`` ints), for members that
                 are reproducible on their own; None (default) seeds them from the global
                 random state.
+            route: see [`Ensemble`][modstate.Ensemble].
 
         Returns:
             The ensemble.
@@ -194,7 +207,7 @@ class Ensemble(nn.Module):
             True
         """
         caller = "Ensemble.from_factory"
-        options = _options(caller, compile, in_dims, randomness, fast)
+        options = _options(caller, compile, in_dims, randomness, fast, route)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
         given = None if seeds is None else checked_seeds(seeds, n, caller)
@@ -204,7 +217,9 @@ class Ensemble(nn.Module):
             base = draw_base_seed(None if mesh is None else mesh.get_group())
             given = [member_seed(base, i) for i in range(n)]
         template, stacked = build_members(factory, [given[i] for i in indices], caller)
-        local = cls._assembled(template, stacked, len(indices), options)
+        local = cls._assembled(
+            template, stacked, len(indices), options if shards is None else _on_ranks(options)
+        )
         if shards is None:
             return local
         ensemble = cls._assembled(None, None, n, options)
@@ -232,6 +247,7 @@ class Ensemble(nn.Module):
         self._randomness = options["randomness"]
         self.compiled = options["compile"]
         self.fast = options["fast"]
+        self.route = options["route"]
         self._shards = None
         self.stacked = nn.Module()
         register_stacked(self.stacked, template, stacked)
@@ -266,6 +282,9 @@ class Ensemble(nn.Module):
         flat = flatten(extract(template))
         self._tree_homes = [homes[id(t)] for t in flat.values()]
         self._layout = Layout(list(flat))
+        # compiled or the reference path: the batched forward, unmeasured
+        pinned = self.compiled or not self.fast
+        self._choice = ForwardChoice("batched" if pinned else self.route, self._randomness)
         run: Callable[..., Any] = self._run
         self._forward_impl = torch.compile(run, dynamic=False) if self.compiled else run
 
@@ -276,7 +295,7 @@ class Ensemble(nn.Module):
                 "deep-copied; save it with modstate.checkpoint.save_distributed"
             )
         state = dict(super().__getstate__())
-        for name in ("_chain", "_runners", "_tree_homes", "_layout", "_forward_impl"):
+        for name in ("_chain", "_runners", "_tree_homes", "_layout", "_forward_impl", "_choice"):
             state.pop(name, None)
         return state
 
@@ -307,6 +326,26 @@ class Ensemble(nn.Module):
         return self._forward_impl(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        return self._choice.run(
+            self,
+            args,
+            kwargs,
+            lambda: self._batched(args, kwargs),
+            lambda: loop_forward(
+                self._template,
+                member_trees(self._layout, self._stacked_leaves(), self.count),
+                self._in_dims,
+                args,
+                kwargs,
+            ),
+            self._stacked_leaves,
+        )
+
+    def _stacked_leaves(self) -> list[Tensor]:
+        """The stacked tensors in ``tree()``'s order, as this thread sees them."""
+        return [home.get() for home in self._tree_homes]
+
+    def _batched(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         chain = self._chain
         if chain is not None and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
             x = args[0]
@@ -349,7 +388,8 @@ class Ensemble(nn.Module):
                 "the model's forward under torch.vmap, batched kernels where the layers have "
                 f"them ({fallbacks} of {len(runner.routes)} layers fall back)"
             )
-        return Plan(summary, runner.routes, runner.notes())
+        chosen = [f"forward for {choice.line()}" for choice in self._choice.choices]
+        return Plan(summary, runner.routes, runner.notes() + chosen)
 
     @property
     def members_here(self) -> range:
@@ -365,7 +405,7 @@ class Ensemble(nn.Module):
         """
         if self._shards is not None:
             return extract(self.stacked)
-        return self._layout.nest([home.get() for home in self._tree_homes])
+        return self._layout.nest(self._stacked_leaves())
 
     # -- members -----------------------------------------------------------------------------------
 
@@ -457,9 +497,17 @@ class Ensemble(nn.Module):
         )
 
 
+def _on_ranks(options: dict[str, Any]) -> dict[str, Any]:
+    """A rank's part of a member-parallel ensemble runs batched unless the loop is asked for:
+    ranks measuring apart could choose apart."""
+    return {**options, "route": "loop" if options["route"] == "loop" else "batched"}
+
+
 def _options(
-    caller: str, compile: bool, in_dims: InDims, randomness: str, fast: bool
+    caller: str, compile: bool, in_dims: InDims, randomness: str, fast: bool, route: str
 ) -> dict[str, Any]:
+    if route not in ROUTES:
+        raise ValueError(f"{caller}: route={route!r}; use one of {', '.join(map(repr, ROUTES))}")
     if randomness not in RANDOMNESS:
         raise ValueError(
             f"{caller}: randomness={randomness!r}; use one of {', '.join(map(repr, RANDOMNESS))}"
@@ -468,4 +516,10 @@ def _options(
         raise TypeError(
             f"{caller}: in_dims is a {type(in_dims).__name__}; give None, an int or a tuple"
         )
-    return {"compile": compile, "in_dims": in_dims, "randomness": randomness, "fast": fast}
+    return {
+        "compile": compile,
+        "in_dims": in_dims,
+        "randomness": randomness,
+        "fast": fast,
+        "route": route,
+    }

@@ -79,7 +79,7 @@ def _build(module: nn.Module, count: int, randomness: str, in_dims: InDims) -> E
         extract(template),  # type: ignore[arg-type]
         none_is_leaf=False,
     )
-    options = _options("modstate", False, in_dims, randomness, True)
+    options = _options("modstate", False, in_dims, randomness, True, "batched")
     try:
         return Ensemble._assembled(template, placeholders, count, options)
     except (TypeError, ValueError, RuntimeError, NotImplementedError):

@@ -120,10 +120,10 @@ def test_attention_dropout_draws_a_mask_per_member_or_is_refused():
     models = seeded_members(lambda: SelfAttention(dropout=0.5), 2)
     models[1].load_state_dict(models[0].state_dict())  # identical: only the masks differ
     x = tokens()[0]
-    out = ms.Ensemble(models, randomness="different")(x, need_weights=False)
+    out = ms.Ensemble(models, randomness="different", route="batched")(x, need_weights=False)
     assert not torch.equal(out[0], out[1])
     with pytest.raises(RuntimeError, match="randomness"):
-        ms.Ensemble(models)(x, need_weights=False)
+        ms.Ensemble(models, route="batched")(x, need_weights=False)
 
 
 class OwnAttention(nn.Module):

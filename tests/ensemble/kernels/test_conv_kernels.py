@@ -115,7 +115,7 @@ def test_in_inference_deep_convolutions_take_their_input_contiguous():
         nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 32, 3, padding=1)).eval()
         for _ in range(3)
     ]
-    ensemble = ms.Ensemble(members).eval()
+    ensemble = ms.Ensemble(members, route="batched").eval()
     x = torch.randn(2, 3, 7, 7)
     with torch.no_grad():
         out = ensemble(x)

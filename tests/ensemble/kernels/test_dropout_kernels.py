@@ -42,7 +42,7 @@ MEMBERS = 3
 
 def members(name):
     factory, shape = MODELS[name]
-    models = ms.Ensemble.from_factory(factory, MEMBERS, seeds=[0, 1, 2]).members()
+    models = ms.Ensemble.from_factory(factory, MEMBERS, seeds=[0, 1, 2], route="batched").members()
     return models, torch.randn(*shape, generator=torch.Generator().manual_seed(5))
 
 
@@ -75,7 +75,7 @@ def test_the_masks_are_the_same_on_every_route(name, randomness):
     expected = before * keep(randomness, before)
     outputs = {}
     for fast in (True, False):
-        ensemble = ms.Ensemble(models, randomness=randomness, fast=fast).train()
+        ensemble = ms.Ensemble(models, randomness=randomness, fast=fast, route="batched").train()
         torch.manual_seed(1)
         with torch.no_grad():
             outputs[f"fast={fast}"] = ensemble(x)
@@ -101,13 +101,13 @@ def test_members_get_masks_of_their_own_and_same_shares_one():
     models, _ = members("mlp")
     for randomness in ("different", "same"):
         torch.manual_seed(1)
-        out = ms.Ensemble(models, randomness=randomness).train()(torch.ones(5, 3))
+        out = ms.Ensemble(models, randomness=randomness, route="batched").train()(torch.ones(5, 3))
         assert torch.equal(out[0] == 0, out[1] == 0) == (randomness == "same")
 
 
 def test_per_member_inputs_get_the_same_masks_as_a_shared_input():
     models, x = members("cnn")
-    ensemble = ms.Ensemble(models, randomness="different", in_dims=0).train()
+    ensemble = ms.Ensemble(models, randomness="different", in_dims=0, route="batched").train()
     before = without_dropout(models, x)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -117,7 +117,7 @@ def test_per_member_inputs_get_the_same_masks_as_a_shared_input():
 
 def test_the_gradient_is_the_masks():
     models, x = members("mlp")
-    ensemble = ms.Ensemble(models, randomness="different").train()
+    ensemble = ms.Ensemble(models, randomness="different", route="batched").train()
     x = x.clone().requires_grad_()
     torch.manual_seed(1)
     ensemble(x).sum().backward()
@@ -129,10 +129,10 @@ def test_the_gradient_is_the_masks():
 
 def test_eval_mode_and_p_zero_draw_nothing():
     models, x = members("runner")
-    evaluating = ms.Ensemble(models, randomness="different").eval()
+    evaluating = ms.Ensemble(models, randomness="different", route="batched").eval()
     for model in models:
         model.drop.p = 0.0
-    without = ms.Ensemble(models, randomness="different").train()
+    without = ms.Ensemble(models, randomness="different", route="batched").train()
     for ensemble in (evaluating, without):
         state = torch.get_rng_state()
         ensemble(x)

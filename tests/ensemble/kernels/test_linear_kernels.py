@@ -86,7 +86,7 @@ def test_weight_gradients_come_back_in_the_weights_layout_with_the_loops_values(
     # layout contract) and modstate's fused optimizers would copy at every step.
     torch.manual_seed(0)
     members = [mlp() for _ in range(3)]
-    ensemble, x = ms.Ensemble(members), torch.randn(4, 2, 5)
+    ensemble, x = ms.Ensemble(members, route="batched"), torch.randn(4, 2, 5)
     params, _ = ms.split(ensemble, detach=True)
 
     def loss(p):
@@ -115,7 +115,7 @@ def params_numel(params: dict, path: str) -> int:
 def test_second_order_gradients_through_the_ensemble_equal_the_loops():
     torch.manual_seed(0)
     members = [mlp() for _ in range(3)]
-    ensemble, x = ms.Ensemble(members), torch.randn(4, 2, 5)
+    ensemble, x = ms.Ensemble(members, route="batched"), torch.randn(4, 2, 5)
 
     def gradient_norm(out: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         grads = torch.autograd.grad(out.square().sum(), weights, create_graph=True)
@@ -134,7 +134,7 @@ def test_second_order_gradients_through_the_ensemble_equal_the_loops():
 def test_the_plain_batched_matmul_runs_where_the_layout_kernel_does_not(where):
     torch.manual_seed(0)
     members = [mlp() for _ in range(3)]
-    ensemble, x = ms.Ensemble(members), torch.randn(4, 2, 5)
+    ensemble, x = ms.Ensemble(members, route="batched"), torch.randn(4, 2, 5)
     params, _ = ms.split(ensemble, detach=True)
     if where == "torch.func.grad":
         grads = torch.func.grad(lambda p: ms.call(ensemble, p, x).square().sum())(params)

@@ -62,7 +62,7 @@ def test_the_cumulative_average_follows_each_members_own_batch_count():
     models = seeded_members(factory)
     models[1].num_batches_tracked.fill_(5)  # this member has seen more batches
     references = [copy.deepcopy(m) for m in models]
-    ensemble = ms.Ensemble(models)
+    ensemble = ms.Ensemble(models, route="batched")
     x = torch.randn(8, 4)
     torch.testing.assert_close(ensemble(x), torch.stack([r(x) for r in references]))
     stacked = ms.flatten(ms.stack([ms.extract(r) for r in references]))
@@ -73,9 +73,9 @@ def test_the_cumulative_average_follows_each_members_own_batch_count():
 
 def test_batch_norm_statistics_after_training_round_trip_through_state_dict():
     factory = lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # noqa: E731
-    ensemble = ms.Ensemble(seeded_members(factory))
+    ensemble = ms.Ensemble(seeded_members(factory), route="batched")
     ensemble(torch.randn(8, 3))
-    fresh = ms.Ensemble(seeded_members(factory))
+    fresh = ms.Ensemble(seeded_members(factory), route="batched")
     fresh.load_state_dict(ensemble.state_dict())
     x = torch.randn(8, 3)
     torch.testing.assert_close(fresh.eval()(x), ensemble.eval()(x))
@@ -116,12 +116,12 @@ def test_rms_norm_equals_the_members_bit_for_bit_and_runs_its_own_code_in_bfloat
     with torch.no_grad():
         for member in members:
             member.weight.normal_()
-    ensemble, x = ms.Ensemble(members), torch.randn(4, 6)
+    ensemble, x = ms.Ensemble(members, route="batched"), torch.randn(4, 6)
     assert ensemble.plan.routes[0].how == "RMS norm, per-member weight"
     assert torch.equal(ensemble(x), torch.stack([member(x) for member in members]))
     # torch scales by the weight before rounding back to bfloat16: the kernel would differ
     low_members = [copy.deepcopy(member).to(torch.bfloat16) for member in members]
-    low = ms.Ensemble(low_members)
+    low = ms.Ensemble(low_members, route="batched")
     assert [route.how for route in low.plan.fallbacks] == ["its own forward under vmap"]
     assert "bfloat16 weight" in str(low.plan.fallbacks[0].fallback)
     y = x.to(torch.bfloat16)

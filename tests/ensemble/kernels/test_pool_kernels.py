@@ -55,7 +55,7 @@ def test_pooling_equals_the_members_one_by_one(case, in_dims):
 def test_in_inference_a_stem_keeps_channels_last_through_the_pooling():
     torch.manual_seed(0)
     members = [Stem(nn.MaxPool2d(2)).eval() for _ in range(3)]
-    ensemble = ms.Ensemble(members).eval()
+    ensemble = ms.Ensemble(members, route="batched").eval()
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         out = ensemble(x)
@@ -70,11 +70,11 @@ def test_in_inference_a_stem_keeps_channels_last_through_the_pooling():
 
 def test_pooling_that_returns_indices_and_unbatched_samples_keep_the_vmap_route():
     torch.manual_seed(0)
-    indices = ms.Ensemble([nn.MaxPool2d(2, return_indices=True) for _ in range(2)])
+    indices = ms.Ensemble([nn.MaxPool2d(2, return_indices=True) for _ in range(2)], route="batched")
     (route,) = indices.plan.routes
     assert route.fallback is not None and "return_indices=True" in route.fallback
     out, where = indices(torch.randn(2, 3, 4, 4))
     assert out.shape == (2, 2, 3, 2, 2) and where.shape == out.shape
     sample = torch.randn(3, 4, 4)  # no batch dim: vmap runs the layer
-    pooled = ms.Ensemble([nn.MaxPool2d(2) for _ in range(2)])(sample)
+    pooled = ms.Ensemble([nn.MaxPool2d(2) for _ in range(2)], route="batched")(sample)
     assert torch.equal(pooled, nn.MaxPool2d(2)(sample).expand(2, 3, 2, 2))

@@ -130,9 +130,9 @@ def test_a_hook_on_a_sublayer_runs_through_the_layer_by_layer_path():
 def test_dropout_with_randomness_same_runs_the_layer_by_layer_path():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(WIDTH, 2, 16, dropout=0.5, batch_first=True)
-    ensemble = ms.Ensemble([layer, copy.deepcopy(layer)], randomness="same")
+    ensemble = ms.Ensemble([layer, copy.deepcopy(layer)], randomness="same", route="batched")
     out = ensemble(tokens()[0])
     torch.testing.assert_close(out[0], out[1])  # one mask for both members, identical weights
-    different = ms.Ensemble([layer, copy.deepcopy(layer)], randomness="different")
+    different = ms.Ensemble([layer, copy.deepcopy(layer)], randomness="different", route="batched")
     out = different(tokens()[0])
     assert not torch.equal(out[0], out[1])

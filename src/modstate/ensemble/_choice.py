@@ -1,0 +1,229 @@
+"""Which way an ensemble's forward runs: all members at once, or one member at a time.
+
+The batched forward (the kernels, the chain, vmap) is not faster everywhere: on a 2-core CPU a
+4-member ResNet-18 at 32x32 ran at 1.0-1.24x a loop over the members, where a transformer
+encoder runs at 0.6x. So at the first call with a new input signature (the tensors' shapes,
+dtypes and devices, the other arguments, train or eval, grad or not), ``route="auto"``
+measures both ways on those inputs and keeps the faster for that signature:
+
+- ``"batched"``: the ensemble's batched forward (see ``Ensemble.plan``);
+- ``"loop"``: ``modstate.call(template, member_i, ...)`` for each member, on views of the
+  stacked tensors, outputs stacked: the members' own layers, no kernel and no vmap. Gradients
+  reach the stacked parameters through the views, BatchNorm updates the stacked statistics in
+  place, as a loop over the member models does.
+
+Measuring runs each way three times (the first a warm-up, then the faster of two), forward and,
+when autograd records, the backward of the outputs' sum with respect to the stacked parameters
+(``torch.autograd.grad``: no ``.grad`` is written); the stacked buffers and the random state are
+put back after each run, so measuring changes nothing the call that follows can see. Its cost
+(about six steps, once per signature) and the times that chose are in ``Ensemble.plan``.
+
+Not measured (batched, as before): while compiling or under a ``torch.func`` transform (the
+forward then is part of a larger program), ``compile=True``, ``fast=False``, and a forward in
+training mode with ``randomness`` other than ``"error"`` (a loop would draw other dropout masks
+than the batched forward's, and the masks are promised not to depend on the route).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from modstate._core.call import call
+from modstate._core.torch_facts import functorch_active
+from modstate._core.trees.flat import Layout
+
+ROUTES = ("auto", "batched", "loop")
+_ROUNDS = 3  # the first is a warm-up: caches, the kernels' first-call learning
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The way chosen for one input signature, and what chose it.
+
+    Attributes:
+        signature: the inputs in words (shapes, dtype, mode).
+        route: ``"batched"`` or ``"loop"``.
+        batched_s: the batched forward's time (seconds; None where pinned).
+        loop_s: the loop's time.
+        measuring_s: what measuring cost, in all.
+    """
+
+    signature: str
+    route: str
+    batched_s: float | None = None
+    loop_s: float | None = None
+    measuring_s: float = 0.0
+
+    def line(self) -> str:
+        if self.batched_s is None or self.loop_s is None:
+            return f"{self.signature}: {self.route} (pinned)"
+        return (
+            f"{self.signature}: {self.route} (batched {self.batched_s * 1e3:.3g} ms, loop "
+            f"{self.loop_s * 1e3:.3g} ms, measured in {self.measuring_s:.3g} s)"
+        )
+
+
+class ForwardChoice:
+    """The choice of one ensemble, per input signature; safe under threads (the first thread
+    with a new signature measures, the others with that signature wait for its choice)."""
+
+    def __init__(self, route: str, randomness: str) -> None:
+        self.route = route
+        self._randomness = randomness
+        self._chosen: dict[Hashable, Choice] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def choices(self) -> list[Choice]:
+        """Every choice made so far, oldest first."""
+        with self._lock:
+            return list(self._chosen.values())
+
+    def run(
+        self,
+        owner: nn.Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        batched: Callable[[], Any],
+        loop: Callable[[], Any],
+        stacked: Callable[[], list[Tensor]],
+    ) -> Any:
+        """The forward by the way chosen for these inputs (measured first if they are new).
+        ``stacked`` gives the tensors the forward reads, as this thread sees them."""
+        if self.route == "loop":  # asked for: ms.call runs under compile and torch.func too
+            return loop()
+        if self.route == "batched" or not self._may_measure(owner):
+            return batched()
+        key, words = _signature(owner, args, kwargs)
+        choice = self._chosen.get(key)
+        if choice is None:
+            with self._lock:  # one measurement per signature, whichever thread comes first
+                choice = self._chosen.get(key)
+                if choice is None:
+                    choice = _measure(words, batched, loop, stacked())
+                    self._chosen[key] = choice
+        return loop() if choice.route == "loop" else batched()
+
+    def _may_measure(self, owner: nn.Module) -> bool:
+        if torch.compiler.is_compiling() or functorch_active():
+            return False
+        return not (owner.training and self._randomness != "error")
+
+
+def member_trees(layout: Layout, flat: list[Tensor], count: int) -> list[dict[str, Any]]:
+    """Each member's tree of views into the stacked tensors ``flat`` (in ``layout``'s key
+    order); a stacked tensor at several paths (a tie) gives each member one view for all."""
+    views: dict[int, tuple[Tensor, ...]] = {}
+    for tensor in flat:
+        if id(tensor) not in views:
+            views[id(tensor)] = tensor.unbind(0)
+    return [layout.nest([views[id(tensor)][i] for tensor in flat]) for i in range(count)]
+
+
+def loop_forward(
+    template: nn.Module,
+    trees: list[dict[str, Any]],
+    in_dims: Any,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> Any:
+    """``template`` called on each member's tree (its slice of each mapped input), the outputs
+    stacked along a new leading dim, as the batched forward returns them."""
+    dims = _dims(in_dims, len(args))
+    outputs = []
+    for i, tree in enumerate(trees):
+        own = tuple(a if d is None else a.select(d, i) for a, d in zip(args, dims, strict=True))
+        outputs.append(call(template, tree, *own, **kwargs))
+    leaves, spec = pytree.tree_flatten(outputs[0])
+    rest = [pytree.tree_flatten(out)[0] for out in outputs[1:]]
+    stacked = [
+        torch.stack([leaf, *(r[k] for r in rest)]) if isinstance(leaf, Tensor) else leaf
+        for k, leaf in enumerate(leaves)
+    ]
+    return pytree.tree_unflatten(stacked, spec)
+
+
+def _dims(in_dims: Any, count: int) -> tuple[int | None, ...]:
+    if in_dims is None or isinstance(in_dims, int):
+        return (in_dims,) * count
+    return tuple(in_dims)
+
+
+def _signature(owner: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Hashable, str]:
+    """What makes a forward's cost: every tensor's shape, dtype and device, the other
+    arguments (by value where hashable), train or eval, and whether autograd records."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts: list[Hashable] = [str(spec), owner.training, torch.is_grad_enabled()]
+    words: list[str] = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+            words.append(f"{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}")
+        else:
+            parts.append((type(leaf), leaf if isinstance(leaf, Hashable) else None))
+    mode = "train" if owner.training else "eval"
+    grad = ", grad" if torch.is_grad_enabled() else ""
+    return tuple(parts), f"inputs {', '.join(words) or 'none'} ({mode}{grad})"
+
+
+def _measure(
+    words: str, batched: Callable[[], Any], loop: Callable[[], Any], stacked: list[Tensor]
+) -> Choice:
+    started = time.perf_counter()
+    buffers = [t for t in dict.fromkeys(stacked) if not t.requires_grad]
+    saved = [t.clone() for t in buffers]
+    trained = [t for t in dict.fromkeys(stacked) if t.requires_grad]
+    rng = torch.random.get_rng_state()
+    times: dict[str, list[float]] = {"batched": [], "loop": []}
+    try:
+        for _ in range(_ROUNDS):
+            for name, way in (("batched", batched), ("loop", loop)):  # interleaved rounds
+                times[name].append(_timed(way, trained))
+                with torch.no_grad():  # what the run changed in place (BatchNorm's statistics)
+                    for tensor, value in zip(buffers, saved, strict=True):
+                        tensor.copy_(value)
+                torch.random.set_rng_state(rng)
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(buffers, saved, strict=True):
+                tensor.copy_(value)
+        torch.random.set_rng_state(rng)
+    batched_s, loop_s = (min(times[name][1:]) for name in ("batched", "loop"))
+    return Choice(
+        words,
+        "loop" if loop_s < batched_s else "batched",
+        batched_s,
+        loop_s,
+        time.perf_counter() - started,
+    )
+
+
+def _timed(way: Callable[[], Any], trained: list[Tensor]) -> float:
+    """One forward (and, when autograd records, the backward of the outputs' sum into
+    ``trained``), in seconds."""
+    _synchronize(trained)
+    start = time.perf_counter()
+    out = way()
+    if trained and torch.is_grad_enabled():
+        total = sum(
+            (leaf.float().sum() for leaf in pytree.tree_leaves(out)
+             if isinstance(leaf, Tensor) and leaf.requires_grad),
+            torch.zeros((), device=trained[0].device),
+        )
+        if total.requires_grad:
+            torch.autograd.grad(total, trained, allow_unused=True)
+    _synchronize(trained)
+    return time.perf_counter() - start
+
+
+def _synchronize(tensors: list[Tensor]) -> None:
+    if tensors and tensors[0].device.type == "cuda":
+        torch.cuda.synchronize(tensors[0].device)
