@@ -12,11 +12,12 @@ measures both ways on those inputs and keeps the faster for that signature:
   reach the stacked parameters through the views, BatchNorm updates the stacked statistics in
   place, as a loop over the member models does.
 
-Measuring runs each way three times (the first a warm-up, then the faster of two), forward and,
+Measuring runs each way four to twelve times, interleaved (the first a warm-up, then the
+fastest; more rounds while they cost under a quarter second in all), forward and,
 when autograd records, the backward of the outputs' sum with respect to the stacked parameters
 (``torch.autograd.grad``: no ``.grad`` is written); the stacked buffers and the random state are
 put back after each run, so measuring changes nothing the call that follows can see. Its cost
-(about six steps, once per signature) and the times that chose are in ``Ensemble.plan``.
+(8 to 24 passes, once per signature) and the times that chose are in ``Ensemble.plan``.
 
 Not measured (batched, as before): while compiling or under a ``torch.func`` transform (the
 forward then is part of a larger program), ``compile=True``, ``fast=False``, and a forward in
@@ -41,7 +42,9 @@ from modstate._core.torch_facts import functorch_active
 from modstate._core.trees.flat import Layout
 
 ROUTES = ("auto", "batched", "loop")
-_ROUNDS = 3  # the first is a warm-up: caches, the kernels' first-call learning
+_ROUNDS = 4  # the first is a warm-up: caches, the kernels' first-call learning
+_MAX_ROUNDS = 12
+_CHEAP_S = 0.25  # measuring time below which more rounds are taken
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,10 @@ def _measure(
     rng = torch.random.get_rng_state()
     times: dict[str, list[float]] = {"batched": [], "loop": []}
     try:
-        for _ in range(_ROUNDS):
+        rounds = 0
+        # at least _ROUNDS; more while they are cheap (small models: the times are noisier)
+        while rounds < _ROUNDS or (rounds < _MAX_ROUNDS and _spent(times) < _CHEAP_S):
+            rounds += 1
             for name, way in (("batched", batched), ("loop", loop)):  # interleaved rounds
                 times[name].append(_timed(way, trained))
                 with torch.no_grad():  # what the run changed in place (BatchNorm's statistics)
@@ -204,6 +210,10 @@ def _measure(
         loop_s,
         time.perf_counter() - started,
     )
+
+
+def _spent(times: dict[str, list[float]]) -> float:
+    return sum(map(sum, times.values()))
 
 
 def _timed(way: Callable[[], Any], trained: list[Tensor]) -> float:

@@ -79,8 +79,8 @@ class Ensemble(nn.Module):
             inputs (shapes, dtypes, other arguments, train or eval, grad or not), the batched
             forward and a loop over the members (``ms.call`` of each member's views of the
             stacked tensors), and keeps the faster for those inputs; ``"batched"`` or
-            ``"loop"`` pin one. The choices and their times are in ``plan``. Measuring (about
-            six forward and backward passes, once per input signature) changes no tensor and
+            ``"loop"`` pin one. The choices and their times are in ``plan``. Measuring (4 to 12
+            runs of each route, forward and backward, once per input signature) changes no tensor and
             no random state; it is skipped (batched) while compiling, under ``torch.func``,
             with ``compile=True`` or ``fast=False``, in training mode with a ``randomness``
             other than ``"error"``, and on a mesh's ranks.

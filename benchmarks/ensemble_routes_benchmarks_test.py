@@ -1,0 +1,214 @@
+"""An ``Ensemble`` beside the loop it replaces, at the sizes people train (issue 40).
+
+Each cell: 4 members of one model, a shared input batch, forward without grad ("fwd") or a
+train step ("train": forward, the outputs' sum, backward into the parameters). Timed in
+interleaved rounds (``_timing.interleave``, median), in one process:
+
+- ``loop``: a Python loop over the 4 member models, the baseline;
+- ``auto``: ``Ensemble(models)``, which measured its two routes at its first call;
+- ``batched``: ``Ensemble(models, route="batched")``, the batched kernels and vmap.
+
+The table gives ``auto`` and ``batched`` as ratios to the loop, the route ``auto`` chose, and
+what its first call's measuring cost. Run::
+
+    python benchmarks/ensemble_routes_benchmarks_test.py            # the matrix (minutes)
+    python benchmarks/ensemble_routes_benchmarks_test.py --only resnet18 --batches 16
+
+Under pytest the smoke test checks one small cell's routes against the loop (no timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+if __name__ == "__main__":  # measure this checkout's modstate, whatever is installed
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from torch import nn
+
+import modstate as ms
+from _ensemble_models import SmallResNet, encoder, zoo
+from _timing import interleave
+
+MEMBERS = 4
+
+
+def resnet18() -> nn.Module:
+    zoo()  # torchvision's import, with the tests' stand-in where its C++ ops cannot load
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def vit_tiny() -> nn.Module:
+    zoo()
+    import timm
+
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=10
+    )
+
+
+def convnext_atto() -> nn.Module:
+    zoo()
+    import timm
+
+    return timm.create_model("convnext_atto", pretrained=False, num_classes=10)
+
+
+def gpt2() -> nn.Module:
+    return zoo().gpt2()
+
+
+def images(size: int) -> Callable[[int], tuple[torch.Tensor]]:
+    return lambda batch: (torch.randn(batch, 3, size, size),)
+
+
+def tokens(batch: int) -> tuple[torch.Tensor]:
+    return (torch.randint(0, 64, (batch, 32)),)
+
+
+def sequences(batch: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, 32, 64),)
+
+
+def logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+# model name -> (factory, {input name: inputs(batch)})
+MODELS: dict[str, tuple[Callable[[], nn.Module], dict[str, Callable[[int], tuple]]]] = {
+    "resnet18": (resnet18, {"32x32": images(32), "64x64": images(64)}),
+    "vit_tiny": (vit_tiny, {"32x32": images(32)}),
+    "convnext_atto": (convnext_atto, {"32x32": images(32), "64x64": images(64)}),
+    "gpt2": (gpt2, {"32 tokens": tokens}),
+    "encoder": (encoder, {"32x64": sequences}),
+    "small_resnet": (SmallResNet, {"32x32": images(32)}),
+}
+
+
+def members(factory: Callable[[], nn.Module]) -> list[nn.Module]:
+    models = []
+    for seed in range(MEMBERS):
+        torch.manual_seed(seed)
+        models.append(factory())
+    return models
+
+
+def steps(
+    models: list[nn.Module], inputs: tuple, train: bool
+) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble]:
+    """The three implementations of one cell, and the ``auto`` ensemble (for its plan)."""
+    for model in models:
+        model.train(train)
+    auto = ms.Ensemble(copy.deepcopy(models)).train(train)
+    batched = ms.Ensemble(copy.deepcopy(models), route="batched").train(train)
+
+    def loop_fwd() -> Any:
+        with torch.no_grad():
+            return [model(*inputs) for model in models]
+
+    def loop_train() -> None:
+        for model in models:
+            logits(model(*inputs)).sum().backward()
+
+    def ensemble_fwd(ensemble: ms.Ensemble) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return ensemble(*inputs)
+
+        return run
+
+    def ensemble_train(ensemble: ms.Ensemble) -> Callable[[], None]:
+        def run() -> None:
+            logits(ensemble(*inputs)).sum().backward()
+
+        return run
+
+    if train:
+        return {
+            "loop": loop_train,
+            "auto": ensemble_train(auto),
+            "batched": ensemble_train(batched),
+        }, auto
+    return {"loop": loop_fwd, "auto": ensemble_fwd(auto), "batched": ensemble_fwd(batched)}, auto
+
+
+def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[str, Any]:
+    factory, inputs_of = MODELS[model]
+    torch.manual_seed(100)
+    inputs = inputs_of[shape](batch)
+    impls, auto = steps(members(factory), inputs, train)
+    start = time.perf_counter()
+    impls["auto"]()  # the first call measures the routes
+    first = time.perf_counter() - start
+    samples = interleave(impls, rounds=rounds, warmup_s=0.0, round_s=0.0)
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    chosen = [note for note in auto.plan.notes if note.startswith("forward for")]
+    route = chosen[-1].split(": ")[1].split(" ")[0] if chosen else "batched"
+    measured = chosen[-1].rsplit("measured in ", 1)[-1].rstrip(")") if chosen else "-"
+    return {
+        "model": model,
+        "input": shape,
+        "batch": batch,
+        "mode": "train" if train else "fwd",
+        "loop_ms": median["loop"] * 1e3,
+        "auto": median["auto"] / median["loop"],
+        "batched": median["batched"] / median["loop"],
+        "route": route,
+        "measuring": measured,
+        "first_call_s": first,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batches", nargs="*", type=int, default=[8, 16, 64])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, {MEMBERS} members, median of "
+        f"{args.rounds} interleaved rounds; ratios to the loop (< 1: the ensemble is faster)"
+    )
+    print("| model | input | batch | mode | loop ms | auto | route chosen | batched | measuring |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in args.only:
+        for shape in MODELS[model][1]:
+            for batch in args.batches:
+                for train in (False, True):
+                    row = cell(model, shape, batch, train, args.rounds)
+                    print(
+                        f"| {row['model']} | {row['input']} | {row['batch']} | {row['mode']} | "
+                        f"{row['loop_ms']:.1f} | {row['auto']:.2f} | {row['route']} | "
+                        f"{row['batched']:.2f} | {row['measuring']} |",
+                        flush=True,
+                    )
+
+
+def test_every_route_of_a_small_cell_computes_the_loops_outputs() -> None:
+    models = members(SmallResNet)
+    inputs = images(32)(8)
+    for model in models:
+        model.eval()
+    expected = torch.stack([model(*inputs) for model in models])
+    for route in ("auto", "batched", "loop"):
+        ensemble = ms.Ensemble(copy.deepcopy(models), route=route).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ensemble(*inputs), expected, atol=1e-5, rtol=1e-5)
+
+
+if __name__ == "__main__":
+    main()
