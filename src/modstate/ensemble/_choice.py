@@ -224,8 +224,11 @@ def _timed(way: Callable[[], Any], trained: list[Tensor]) -> float:
     out = way()
     if trained and torch.is_grad_enabled():
         total = sum(
-            (leaf.float().sum() for leaf in pytree.tree_leaves(out)
-             if isinstance(leaf, Tensor) and leaf.requires_grad),
+            (
+                leaf.float().sum()
+                for leaf in pytree.tree_leaves(out)
+                if isinstance(leaf, Tensor) and leaf.requires_grad
+            ),
             torch.zeros((), device=trained[0].device),
         )
         if total.requires_grad:
