@@ -16,7 +16,8 @@ The optimizer case times Adam alone on a 10M-parameter tree: torch.optim's fused
 the allocation floor of a pure step (new params and buffers, allocated and written once), the
 compiled by-hand pure Adam, and modstate's pure step eager (fused) and compiled.
 
-Each compiled setup's first call (its compile time) is timed apart. The run prints one table,
+Each compiled setup's first call (its compile time) is timed apart, and each setup's peak memory
+over two steps above what is live before them (`step_peaks`). The run prints one table,
 each setup's median as a ratio to (a) (to the fused step for the optimizer case)::
 
     python -m pytest benchmarks/compiled_steps_benchmarks_test.py -p no:cacheprovider -q
@@ -27,6 +28,8 @@ same cases on a GPU (torch.optim's fused Adam exists there too).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -47,7 +50,10 @@ from _timing import assert_same_trees
 LR = 1e-3
 DEVICE = torch.device(os.environ.get("MODSTATE_BENCH_DEVICE", "cpu"))
 _ROWS: list[str] = []
-_HEADER = ["| case | (a) | ratio to (a), median | first call (compile) |", "|---|---|---|---|"]
+_HEADER = [
+    "| case | (a) | ratio to (a), median | first call (compile) | step peak over live, MiB |",
+    "|---|---|---|---|---|",
+]
 
 
 class TinyLM(nn.Module):
@@ -195,11 +201,62 @@ def graphs_of(step: Callable, carry: tuple, data: tuple, calls: int = 3) -> int:
     return count["graphs"]
 
 
-def record(request: Any, case: str, stats: dict, base: str, firsts: dict[str, float]) -> None:
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def step_peaks(impls: dict[str, Callable[[], Any]]) -> dict[str, float] | None:
+    """Each setup's peak memory over two steps, in MiB above what is live before them: on a GPU
+    the caching allocator's peak, on Linux the peak resident set (``VmHWM``, reset through
+    ``/proc/self/clear_refs``) after the C heap returned its free memory (``malloc_trim``), so
+    that a step's new tensors show. None where neither is available."""
+    peaks: dict[str, float] = {}
+    if DEVICE.type == "cuda":
+        for name, fn in impls.items():
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn(), fn()
+            torch.cuda.synchronize()
+            peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return peaks
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+        _status_bytes("VmHWM:")
+    except (OSError, KeyError):
+        return None
+    for name, fn in impls.items():
+        gc.collect()
+        trim(0)
+        base = _status_bytes("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the resident set now
+        fn(), fn()
+        peaks[name] = (_status_bytes("VmHWM:") - base) / 2**20
+    return peaks
+
+
+def record(
+    request: Any,
+    case: str,
+    stats: dict,
+    base: str,
+    firsts: dict[str, float],
+    peaks: dict[str, float] | None,
+) -> None:
     median = stats[base]["median"]
     ratios = ", ".join(f"{name} {s['median'] / median:.2f}" for name, s in stats.items())
     compile_s = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in firsts.items())
-    _ROWS.append(f"| {case} | {median * 1e3:.2f} ms | {ratios} | {compile_s} |")
+    memory = (
+        "not measured here"
+        if peaks is None
+        else ", ".join(f"{name} {mib:.0f}" for name, mib in peaks.items())
+    )
+    _ROWS.append(f"| {case} | {median * 1e3:.2f} ms | {ratios} | {compile_s} | {memory} |")
     show(request, [f"compiled steps on {DEVICE.type}:", *_HEADER, *_ROWS])
 
 
@@ -292,7 +349,7 @@ def test_compiled_training_step(name: str, compare: Any, request: Any) -> None:
     }
     stats = compare(f"compiled step: {name}", impls, rounds=9)
     if stats is not None:
-        record(request, name, stats, "(a)", firsts)
+        record(request, name, stats, "(a)", firsts, step_peaks(impls))
 
 
 def test_compiled_optimizer_step(compare: Any, request: Any) -> None:
@@ -345,4 +402,5 @@ def test_compiled_optimizer_step(compare: Any, request: Any) -> None:
     }
     stats = compare("compiled step: Adam alone, 10M parameters", impls, rounds=9)
     if stats is not None:
-        record(request, "Adam alone, 10M parameters", stats, "torch fused, in place", firsts)
+        peaks = step_peaks(impls)
+        record(request, "Adam alone, 10M parameters", stats, "torch fused, in place", firsts, peaks)
