@@ -146,3 +146,13 @@ def test_an_unknown_route_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="Ensemble.from_factory: route='vmap'; use one of"):
         ms.Ensemble.from_factory(mlp, 2, route="vmap")
     assert ms.Ensemble(models, route="loop").route == "loop"  # the fix: one of the choices
+
+
+def test_after_eight_signatures_new_ones_take_the_usual_route_unmeasured():
+    ensemble = ms.Ensemble(seeded(mlp, 2)).eval()
+    models = ensemble.members()
+    with torch.no_grad():
+        for rows in range(1, 13):  # a new shape at every call, as a growing sequence gives
+            x = torch.randn(rows, 5)
+            torch.testing.assert_close(ensemble(x), loop(models, x), atol=ATOL, rtol=0)
+    assert len(ensemble.plan.notes) == 8

@@ -17,7 +17,9 @@ fastest; more rounds while they cost under a quarter second in all), forward and
 when autograd records, the backward of the outputs' sum with respect to the stacked parameters
 (``torch.autograd.grad``: no ``.grad`` is written); the stacked buffers and the random state are
 put back after each run, so measuring changes nothing the call that follows can see. Its cost
-(8 to 24 passes, once per signature) and the times that chose are in ``Ensemble.plan``.
+(8 to 24 passes, once per signature) and the times that chose are in ``Ensemble.plan``. Only
+the first 8 signatures are measured: inputs of ever new shapes (a growing sequence) then take
+the route chosen for most of them, without measuring.
 
 Not measured (batched, as before): while compiling or under a ``torch.func`` transform (the
 forward then is part of a larger program), ``compile=True``, ``fast=False``, and a forward in
@@ -45,6 +47,7 @@ ROUTES = ("auto", "batched", "loop")
 _ROUNDS = 4  # the first is a warm-up: caches, the kernels' first-call learning
 _MAX_ROUNDS = 12
 _CHEAP_S = 0.25  # measuring time below which more rounds are taken
+_MAX_MEASURED = 8  # signatures measured; later new ones take the route chosen most often
 
 
 @dataclass(frozen=True)
@@ -110,10 +113,19 @@ class ForwardChoice:
         if choice is None:
             with self._lock:  # one measurement per signature, whichever thread comes first
                 choice = self._chosen.get(key)
+                if choice is None and len(self._chosen) >= _MAX_MEASURED:
+                    # inputs of ever new shapes (a growing sequence): measuring each would
+                    # cost more than any route saves, so they take the route chosen most
+                    return loop() if self._usual() == "loop" else batched()
                 if choice is None:
                     choice = _measure(words, batched, loop, stacked())
                     self._chosen[key] = choice
         return loop() if choice.route == "loop" else batched()
+
+    def _usual(self) -> str:
+        """The route chosen for most signatures so far (batched on a tie)."""
+        loops = sum(choice.route == "loop" for choice in self._chosen.values())
+        return "loop" if 2 * loops > len(self._chosen) else "batched"
 
     def _may_measure(self, owner: nn.Module) -> bool:
         if torch.compiler.is_compiling() or functorch_active():
