@@ -327,20 +327,11 @@ class Ensemble(nn.Module):
         return self._forward_impl(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        return self._choice.run(
-            self,
-            args,
-            kwargs,
-            lambda: self._batched(args, kwargs),
-            lambda: loop_forward(
-                self._template,
-                member_trees(self._layout, self._stacked_leaves(), self.count),
-                self._in_dims,
-                args,
-                kwargs,
-            ),
-            self._stacked_leaves,
-        )
+        return self._choice.run(self, args, kwargs, self._batched, self._loop, self._stacked_leaves)
+
+    def _loop(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        trees = member_trees(self._layout, self._stacked_leaves(), self.count)
+        return loop_forward(self._template, trees, self._in_dims, args, kwargs)
 
     def _stacked_leaves(self) -> list[Tensor]:
         """The stacked tensors in ``tree()``'s order, as this thread sees them."""
