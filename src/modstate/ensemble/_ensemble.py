@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from modstate._core.trees.flat import Layout, flatten
 from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain
+from ._declared import check_declared_layers, checked_kernels
 from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
 from ._plan import Plan
@@ -74,13 +75,21 @@ class Ensemble(nn.Module):
             members over its ranks: the stacked tensors are ``DTensor`` s sharded on the member
             dim, each rank stores and runs only its members, and ``forward`` returns outputs
             sharded on the member dim (every rank passes all N models and keeps its own).
+        kernels: layer classes of yours mapped to the torch layer class whose computation each
+            has, ``{MyNorm: nn.LayerNorm}``: their layers (and those of subclasses that keep
+            their ``forward``) run that class's batched kernel, and the plan says so; for this
+            ensemble only, nothing is registered. A subclass of a torch layer that keeps the
+            methods its ``forward`` runs needs no declaration; one that overrides them runs its
+            own code under vmap until declared. A declared layer must hold the torch class's
+            settings and tensors (checked before the ensemble is built).
 
     Raises:
         TypeError: an entry of ``modules`` is not an ``nn.Module``, a submodule's type differs,
-            or ``in_dims`` has the wrong type.
+            or ``in_dims`` or an entry of ``kernels`` has the wrong type.
         ValueError: no models, models that differ (the message names the first path where one
-            differs from the first model), an unknown ``randomness``, or a mesh that would
-            leave a rank without members.
+            differs from the first model), an unknown ``randomness``, a mesh that would leave a
+            rank without members, or a declared kernel that a layer does not fit (the message
+            names the layer's path).
 
     Example:
         >>> import torch, modstate as ms
@@ -114,14 +123,16 @@ class Ensemble(nn.Module):
         randomness: str = "error",
         fast: bool = True,
         mesh: Any = None,
+        kernels: Mapping[type, type[nn.Module]] | None = None,
     ) -> None:
         super().__init__()
-        options = _options("Ensemble", compile, in_dims, randomness, fast)
+        options = _options("Ensemble", compile, in_dims, randomness, fast, kernels)
         modules = list(modules)
         if not modules:
             raise ValueError("Ensemble: no models; give at least one")
         if mesh is None:
             stacked = stack_modules(modules)
+            check_declared_layers(modules[0], options["kernels"], "Ensemble")
             self._own(private_copy(modules[0]), stacked, len(modules), options)
             return
         shards = MemberShards(mesh, len(modules), "Ensemble")
@@ -140,6 +151,7 @@ class Ensemble(nn.Module):
         fast: bool = True,
         mesh: Any = None,
         seeds: Sequence[int] | None = None,
+        kernels: Mapping[type, type[nn.Module]] | None = None,
     ) -> Ensemble:
         """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
 
@@ -169,6 +181,7 @@ class Ensemble(nn.Module):
             seeds: one ``torch.manual_seed`` seed per member (``n`` ints), for members that
                 are reproducible on their own; None (default) seeds them from the global
                 random state.
+            kernels: see [`Ensemble`][modstate.Ensemble].
 
         Returns:
             The ensemble.
@@ -194,7 +207,7 @@ class Ensemble(nn.Module):
             True
         """
         caller = "Ensemble.from_factory"
-        options = _options(caller, compile, in_dims, randomness, fast)
+        options = _options(caller, compile, in_dims, randomness, fast, kernels)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
         given = None if seeds is None else checked_seeds(seeds, n, caller)
@@ -204,6 +217,7 @@ class Ensemble(nn.Module):
             base = draw_base_seed(None if mesh is None else mesh.get_group())
             given = [member_seed(base, i) for i in range(n)]
         template, stacked = build_members(factory, [given[i] for i in indices], caller)
+        check_declared_layers(template, options["kernels"], caller)
         local = cls._assembled(template, stacked, len(indices), options)
         if shards is None:
             return local
@@ -232,6 +246,7 @@ class Ensemble(nn.Module):
         self._randomness = options["randomness"]
         self.compiled = options["compile"]
         self.fast = options["fast"]
+        self._kernels = options["kernels"]
         self._shards = None
         self.stacked = nn.Module()
         register_stacked(self.stacked, template, stacked)
@@ -256,12 +271,14 @@ class Ensemble(nn.Module):
         after a copy or unpickling, since kernels read this ensemble's own tensor tables."""
         template = self._template
         homes = homes_of(template, self.stacked)
-        context = KernelContext(self.count, self._randomness, homes)
+        context = KernelContext(self.count, self._randomness, homes, self._kernels)
         by_member = self._in_dims in (0, (0,), [0])
         chain = build_chain(template, context) if self.fast else None
         self._chain = chain if self._in_dims is None or by_member else None
         self._runners = ThreadRunners(
-            lambda: VmapRunner(template, homes, self.count, self._randomness, self.fast)
+            lambda: VmapRunner(
+                template, homes, self.count, self._randomness, self.fast, self._kernels
+            )
         )
         flat = flatten(extract(template))
         self._tree_homes = [homes[id(t)] for t in flat.values()]
@@ -458,7 +475,7 @@ class Ensemble(nn.Module):
 
 
 def _options(
-    caller: str, compile: bool, in_dims: InDims, randomness: str, fast: bool
+    caller: str, compile: bool, in_dims: InDims, randomness: str, fast: bool, kernels: Any = None
 ) -> dict[str, Any]:
     if randomness not in RANDOMNESS:
         raise ValueError(
@@ -468,4 +485,10 @@ def _options(
         raise TypeError(
             f"{caller}: in_dims is a {type(in_dims).__name__}; give None, an int or a tuple"
         )
-    return {"compile": compile, "in_dims": in_dims, "randomness": randomness, "fast": fast}
+    return {
+        "compile": compile,
+        "in_dims": in_dims,
+        "randomness": randomness,
+        "fast": fast,
+        "kernels": checked_kernels(kernels, caller),
+    }
