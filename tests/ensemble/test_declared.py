@@ -214,3 +214,11 @@ def test_a_timm_user_declares_timms_layer_norm_and_vit_batches_every_norm():
     )  # fmt: skip
     # Left: the model itself, which reads its class token and position embedding.
     assert [r.path for r in ensemble.plan.fallbacks] == [""]
+
+
+def test_a_copy_of_the_ensemble_keeps_its_declarations():
+    ensemble = ms.Ensemble(seeded_members(Block), kernels=DECLARED)
+    twin = copy.deepcopy(ensemble)
+    assert twin.plan.fallbacks == []
+    x = torch.randn(3, 3, 6, 6)
+    torch.testing.assert_close(twin(x), ensemble(x))
