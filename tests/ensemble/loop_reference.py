@@ -53,15 +53,17 @@ def assert_like_the_loop(
     output: Callable[[Any], torch.Tensor] = lambda out: out,
     atol: float = ATOL,
     rtol: float = RTOL,
+    kernels: dict | None = None,
 ) -> ms.Ensemble:
     """Run an ensemble of ``count`` members and the members one by one, once per entry of
     ``modes`` (training or eval), and compare outputs, gradients (of a fixed random weighting of
     the outputs) and every buffer; then ``member(i)``. ``make_inputs()`` gives the positional
-    inputs of one call (with a leading member dim when ``in_dims=0``). Returns the ensemble."""
+    inputs of one call (with a leading member dim when ``in_dims=0``); ``kernels`` goes to the
+    ensemble. Returns the ensemble."""
     kwargs = kwargs or {}
     models = seeded_members(factory, count)
     references = [copy.deepcopy(m) for m in models]
-    ensemble = ms.Ensemble(models, in_dims=in_dims, route="batched")
+    ensemble = ms.Ensemble(models, in_dims=in_dims, kernels=kernels, route="batched")
     torch.manual_seed(100)
     for step, training in enumerate(modes):
         inputs = make_inputs()

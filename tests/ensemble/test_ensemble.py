@@ -221,7 +221,7 @@ def test_options_are_checked_and_named():
 def test_help_shows_the_real_signature_and_documented_options():
     signature = inspect.signature(ms.Ensemble)
     assert list(signature.parameters) == [
-        "modules", "compile", "in_dims", "randomness", "fast", "mesh", "route",
+        "modules", "compile", "in_dims", "randomness", "fast", "mesh", "kernels", "route",
     ]  # fmt: skip
     assert signature.parameters["mesh"].default is None
     factory_signature = inspect.signature(ms.Ensemble.from_factory)
@@ -229,7 +229,16 @@ def test_help_shows_the_real_signature_and_documented_options():
     doc = inspect.getdoc(ms.Ensemble)
     for section in ("Args:", "Raises:", "Example:"):
         assert section in doc
-    for option in ("modules:", "compile:", "in_dims:", "randomness:", "fast:", "mesh:", "route:"):
+    for option in (
+        "modules:",
+        "compile:",
+        "in_dims:",
+        "randomness:",
+        "fast:",
+        "mesh:",
+        "kernels:",
+        "route:",
+    ):
         assert option in doc
     assert "BatchNorm1d/2d/3d" in doc and "_sharded" not in doc
     assert "Args:" in inspect.getdoc(ms.Ensemble.forward)  # not torch's generic forward text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain
 from ._choice import ROUTES, ForwardChoice, loop_forward, member_trees
+from ._declared import check_declared_layers, checked_kernels
 from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
 from ._plan import Plan
@@ -75,6 +76,13 @@ class Ensemble(nn.Module):
             members over its ranks: the stacked tensors are ``DTensor`` s sharded on the member
             dim, each rank stores and runs only its members, and ``forward`` returns outputs
             sharded on the member dim (every rank passes all N models and keeps its own).
+        kernels: layer classes of yours mapped to the torch layer class whose computation each
+            has, ``{MyNorm: nn.LayerNorm}``: their layers (and those of subclasses that keep
+            their ``forward``) run that class's batched kernel, and the plan says so; for this
+            ensemble only, nothing is registered. A subclass of a torch layer that keeps the
+            methods its ``forward`` runs needs no declaration; one that overrides them runs its
+            own code under vmap until declared. A declared layer must hold the torch class's
+            settings and tensors (checked before the ensemble is built).
         route: how ``forward`` runs: ``"auto"`` (default) measures, at the first call with new
             inputs (shapes, dtypes, other arguments, train or eval, grad or not), the batched
             forward and a loop over the members (``ms.call`` of each member's views of the
@@ -88,10 +96,11 @@ class Ensemble(nn.Module):
 
     Raises:
         TypeError: an entry of ``modules`` is not an ``nn.Module``, a submodule's type differs,
-            or ``in_dims`` has the wrong type.
+            or ``in_dims`` or an entry of ``kernels`` has the wrong type.
         ValueError: no models, models that differ (the message names the first path where one
-            differs from the first model), an unknown ``randomness``, or a mesh that would
-            leave a rank without members.
+            differs from the first model), an unknown ``randomness``, a mesh that would leave a
+            rank without members, or a declared kernel that a layer does not fit (the message
+            names the layer's path).
 
     Example:
         >>> import torch, modstate as ms
@@ -125,15 +134,17 @@ class Ensemble(nn.Module):
         randomness: str = "error",
         fast: bool = True,
         mesh: Any = None,
+        kernels: Mapping[type, type[nn.Module]] | None = None,
         route: str = "auto",
     ) -> None:
         super().__init__()
-        options = _options("Ensemble", compile, in_dims, randomness, fast, route)
+        options = _options("Ensemble", compile, in_dims, randomness, fast, route, kernels)
         modules = list(modules)
         if not modules:
             raise ValueError("Ensemble: no models; give at least one")
         if mesh is None:
             stacked = stack_modules(modules)
+            check_declared_layers(modules[0], options["kernels"], "Ensemble")
             self._own(private_copy(modules[0]), stacked, len(modules), options)
             return
         shards = MemberShards(mesh, len(modules), "Ensemble")
@@ -152,6 +163,7 @@ class Ensemble(nn.Module):
         fast: bool = True,
         mesh: Any = None,
         seeds: Sequence[int] | None = None,
+        kernels: Mapping[type, type[nn.Module]] | None = None,
         route: str = "auto",
     ) -> Ensemble:
         """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
@@ -182,6 +194,7 @@ class Ensemble(nn.Module):
             seeds: one ``torch.manual_seed`` seed per member (``n`` ints), for members that
                 are reproducible on their own; None (default) seeds them from the global
                 random state.
+            kernels: see [`Ensemble`][modstate.Ensemble].
             route: see [`Ensemble`][modstate.Ensemble].
 
         Returns:
@@ -208,7 +221,7 @@ class Ensemble(nn.Module):
             True
         """
         caller = "Ensemble.from_factory"
-        options = _options(caller, compile, in_dims, randomness, fast, route)
+        options = _options(caller, compile, in_dims, randomness, fast, route, kernels)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
         given = None if seeds is None else checked_seeds(seeds, n, caller)
@@ -218,6 +231,7 @@ class Ensemble(nn.Module):
             base = draw_base_seed(None if mesh is None else mesh.get_group())
             given = [member_seed(base, i) for i in range(n)]
         template, stacked = build_members(factory, [given[i] for i in indices], caller)
+        check_declared_layers(template, options["kernels"], caller)
         local = cls._assembled(
             template, stacked, len(indices), options if shards is None else _on_ranks(options)
         )
@@ -249,6 +263,7 @@ class Ensemble(nn.Module):
         self.compiled = options["compile"]
         self.fast = options["fast"]
         self.route = options["route"]
+        self._kernels = options["kernels"]
         self._shards = None
         self.stacked = nn.Module()
         register_stacked(self.stacked, template, stacked)
@@ -273,12 +288,14 @@ class Ensemble(nn.Module):
         after a copy or unpickling, since kernels read this ensemble's own tensor tables."""
         template = self._template
         homes = homes_of(template, self.stacked)
-        context = KernelContext(self.count, self._randomness, homes)
+        context = KernelContext(self.count, self._randomness, homes, self._kernels)
         by_member = self._in_dims in (0, (0,), [0])
         chain = build_chain(template, context) if self.fast else None
         self._chain = chain if self._in_dims is None or by_member else None
         self._runners = ThreadRunners(
-            lambda: VmapRunner(template, homes, self.count, self._randomness, self.fast)
+            lambda: VmapRunner(
+                template, homes, self.count, self._randomness, self.fast, self._kernels
+            )
         )
         flat = flatten(extract(template))
         self._tree_homes = [homes[id(t)] for t in flat.values()]
@@ -496,7 +513,13 @@ def _on_ranks(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _options(
-    caller: str, compile: bool, in_dims: InDims, randomness: str, fast: bool, route: str
+    caller: str,
+    compile: bool,
+    in_dims: InDims,
+    randomness: str,
+    fast: bool,
+    route: str,
+    kernels: Any = None,
 ) -> dict[str, Any]:
     if route not in ROUTES:
         raise ValueError(f"{caller}: route={route!r}; use one of {', '.join(map(repr, ROUTES))}")
@@ -514,4 +537,5 @@ def _options(
         "randomness": randomness,
         "fast": fast,
         "route": route,
+        "kernels": checked_kernels(kernels, caller),
     }

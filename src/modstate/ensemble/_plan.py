@@ -25,7 +25,9 @@ from ._kernels import (
     KernelContext,
     MultiheadAttentionKernel,
     NoKernel,
+    kernel_class,
     kernel_for,
+    overridden,
 )
 from ._kernels.transformer import (
     DecoderLayerKernel,
@@ -149,7 +151,7 @@ def _visit(
             routes.append(Route(path, layer, "its own forward under vmap", kernel.reason))
             return
         if kernel is not None:
-            routes.append(Route(path, layer, kernel.route))
+            routes.append(Route(path, layer, kernel.route + _whose(module, context)))
             installed[path] = kernel
             return
         if type(module) in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer):
@@ -173,7 +175,7 @@ def _visit(
         why = (
             "fast=False: the whole model runs under vmap"
             if not batched
-            else _no_kernel_reason(module)
+            else _no_kernel_reason(module, context)
         )
         routes.append(Route(path, layer, f"its own code under vmap, reading {', '.join(own)}", why))
     elif type(module) is nn.Dropout and not batched:
@@ -187,14 +189,40 @@ def _visit(
         _visit(child, f"{path}.{name}" if path else name, context, batched, routes, installed, seen)
 
 
-def _no_kernel_reason(module: nn.Module) -> str:
+def _whose(module: nn.Module, context: KernelContext) -> str:
+    """For a layer that runs another class's kernel, whose and why (the plan shows it)."""
+    kind = type(module)
+    if kind in KERNEL_TYPES:
+        return ""
+    found = kernel_class(kind, context.kernels)
+    if found is None:
+        return ""  # Hugging Face's Conv1D
+    target, base = found
+    if base in context.kernels:
+        how = "declared by kernels=" + ("" if base is kind else f" for {base.__name__}")
+    else:
+        how = f"{kind.__name__} keeps nn.{target.__name__}'s forward"
+    return f" (nn.{target.__name__}'s kernel: {how})"
+
+
+def _no_kernel_reason(module: nn.Module, context: KernelContext) -> str:
     kind = type(module)
     name = f"no batched kernel for {kind.__name__}"
-    base = next((b for b in kind.__mro__[1:] if b in KERNEL_TYPES), None)
+    base = next((b for b in kind.__mro__[1:] if b in KERNEL_TYPES or b in context.kernels), None)
     if base is None:
         return name
-    # Kernels go by exact type: a subclass may compute something else in its forward.
-    return f"{name} ({kind.__module__}.{kind.__qualname__}, a subclass of nn.{base.__name__})"
+    target = base if base in KERNEL_TYPES else context.kernels[base]
+    # A subclass that overrides what the base's forward runs may compute something else.
+    own = ", ".join(overridden(kind, base, target))
+    return (
+        f"{name} ({kind.__module__}.{kind.__qualname__}, a subclass of {_name(base)} with its "
+        f"own {own}; if it computes what nn.{target.__name__} computes, declare it: "
+        f"Ensemble(..., kernels={{{kind.__name__}: nn.{target.__name__}}}))"
+    )
+
+
+def _name(kind: type) -> str:
+    return f"nn.{kind.__name__}" if kind in KERNEL_TYPES else kind.__name__
 
 
 def _stateless_route(module: nn.Module, context: KernelContext) -> str:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -71,11 +71,12 @@ class VmapRunner:
         count: int,
         randomness: str,
         batched: bool,
+        kernels: Mapping[type, type[nn.Module]] | None = None,
     ) -> None:
         self.count = count
         self.randomness = randomness
         self.module = sharing_copy(template)
-        context = KernelContext(count, randomness, homes)
+        context = KernelContext(count, randomness, homes, kernels)
         self.routes, installed = plan_layers(self.module, context, batched)
         for path, what in installed.items():
             layer = self.module.get_submodule(path)

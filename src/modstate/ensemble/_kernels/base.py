@@ -11,6 +11,7 @@ keep no tensors: they read the stacked tensors from their `Home` at every call, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -34,13 +35,22 @@ class Home:
 
 
 class KernelContext:
-    """What building a kernel needs: the member count, vmap's randomness mode, and the home of
-    the stacked form of each of the template's tensors (by the template tensor's ``id``)."""
+    """What building a kernel needs: the member count, vmap's randomness mode, the home of
+    the stacked form of each of the template's tensors (by the template tensor's ``id``), and
+    the user's declared kernels (``Ensemble(..., kernels=...)``: a class of theirs mapped to the
+    torch class it computes as)."""
 
-    def __init__(self, count: int, randomness: str, homes: dict[int, Home]) -> None:
+    def __init__(
+        self,
+        count: int,
+        randomness: str,
+        homes: dict[int, Home],
+        kernels: Mapping[type, type[nn.Module]] | None = None,
+    ) -> None:
         self.count = count
         self.randomness = randomness
         self._homes = homes
+        self.kernels: Mapping[type, type[nn.Module]] = kernels or {}
 
     def home(self, tensor: Tensor | nn.Module | None) -> Home:
         """The home of the stacked form of the template's ``tensor``.

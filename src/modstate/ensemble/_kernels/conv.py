@@ -59,9 +59,15 @@ class ConvolutionKernel:
     route = "grouped convolution"
     fresh = True
 
-    def __init__(self, module: nn.modules.conv._ConvNd, context: KernelContext) -> None:
+    def __init__(
+        self,
+        module: nn.modules.conv._ConvNd,
+        context: KernelContext,
+        kind: type[nn.Module] | None = None,
+    ) -> None:
+        kind = kind or type(module)  # the torch class it computes as (a subclass's base)
         self.count = context.count
-        self.convolve = _CONVOLUTIONS[type(module)]
+        self.convolve = _CONVOLUTIONS[kind]
         self.spatial = len(module.kernel_size)
         self.weight = context.home(module.weight)
         self.bias = context.maybe_home(module.bias)
@@ -77,9 +83,7 @@ class ConvolutionKernel:
         self.kernel_size = module.kernel_size
         # Unfold takes 2-D inputs and padding as numbers; "same" padding stays a convolution.
         self.matmul_ok = (
-            isinstance(module, nn.Conv2d)
-            and module.groups == 1
-            and not isinstance(self.padding, str)
+            kind is nn.Conv2d and module.groups == 1 and not isinstance(self.padding, str)
         )
         self.pointwise = self.matmul_ok and self.kernel_size == (1, 1) and self.padding == (0, 0)
 

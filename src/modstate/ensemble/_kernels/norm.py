@@ -11,7 +11,11 @@ from torch import Tensor, nn
 
 from .base import KernelContext, NoKernel, channels_side_by_side, fresh_view, member_front
 
-_BATCH_NORM_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
+_BATCH_NORM_DIMS: dict[type[nn.Module], tuple[int, ...]] = {
+    nn.BatchNorm1d: (2, 3),
+    nn.BatchNorm2d: (4,),
+    nn.BatchNorm3d: (5,),
+}
 
 
 class BatchNormKernel:
@@ -24,10 +28,15 @@ class BatchNormKernel:
     # momentum=None (a cumulative average) divides by each member's own batch count.
     fresh = True  # batch_norm's backward does not keep its output
 
-    def __init__(self, module: nn.modules.batchnorm._BatchNorm, context: KernelContext) -> None:
+    def __init__(
+        self,
+        module: nn.modules.batchnorm._BatchNorm,
+        context: KernelContext,
+        kind: type[nn.Module] | None = None,
+    ) -> None:
         self.module = module  # read at call time: its training flag
         self.count = context.count
-        self.dims = _BATCH_NORM_DIMS[type(module)]
+        self.dims = _BATCH_NORM_DIMS[kind or type(module)]  # kind: the torch class it computes as
         self.weight = context.maybe_home(module.weight)
         self.bias = context.maybe_home(module.bias)
         self.tracked = module.track_running_stats

@@ -27,10 +27,12 @@ class PoolKernel:
     route = "pooling over the members' channels"
     fresh = True  # pooling's backward keeps its input's shape and indices, not its output
 
-    def __init__(self, module: nn.Module, context: KernelContext) -> None:
+    def __init__(
+        self, module: nn.Module, context: KernelContext, kind: type[nn.Module] | None = None
+    ) -> None:
         self.module = module
         self.count = context.count
-        self.spatial = POOLS[type(module)]
+        self.spatial = POOLS[kind or type(module)]  # kind: the torch class it computes as
 
     def __call__(self, x: Tensor, bdim: int | None) -> tuple[Tensor, int] | None:
         if x.dim() - (bdim is not None) != self.spatial + 2:
@@ -40,7 +42,9 @@ class PoolKernel:
         return fresh_view(out, out.shape[0], self.count, -1, *out.shape[2:]), 1
 
 
-def pool_kernel(module: nn.Module, context: KernelContext) -> PoolKernel | NoKernel:
+def pool_kernel(
+    module: nn.Module, context: KernelContext, kind: type[nn.Module] | None = None
+) -> PoolKernel | NoKernel:
     if getattr(module, "return_indices", False):
         return NoKernel("return_indices=True: it returns the indices too")
-    return PoolKernel(module, context)
+    return PoolKernel(module, context, kind)
