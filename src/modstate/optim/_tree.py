@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES, functorch_active
+from modstate._core.trees.nodes import leaves_with_paths
 from modstate._core.trees.paths import dotted
 from modstate._core.trees.ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.optim._lists import Leaves
-from modstate.tree._walk import leaves_with_paths
 
 
 def scalar_dtype(device: torch.device) -> torch.dtype:
