@@ -16,9 +16,19 @@ import optree
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES
+from modstate._core.trees.leaves import refuse_undifferentiable
 from modstate._core.trees.paths import dotted
 from modstate._core.trees.readers import TreeReader
+
+_NOT_TENSOR_FIX = (
+    " (torch.func differentiates tensors); pass it as another argument, or set it to None "
+    "(an empty subtree)"
+)
+_NOT_FLOAT_FIX = (
+    "only floating-point and complex tensors can be differentiated (as with torch.func.grad); "
+    "differentiate the trainable part only: params, state = ms.split(model, detach=True), with "
+    "state as another argument (out, state = ms.apply(model, params, state, x))"
+)
 
 
 class Differentiated:
@@ -40,23 +50,14 @@ class Differentiated:
             self.leaves = leaves
         else:
             self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
-        for index, leaf in enumerate(self.leaves):
-            if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
-                continue  # the common case, decided without the slower checks below
-            if not isinstance(leaf, Tensor):
-                raise ValueError(
-                    f"{name}: '{self.path(index)}': a {type(leaf).__name__} leaf of argument "
-                    f"{position}, not a tensor (torch.func differentiates tensors); pass it as "
-                    f"another argument, or set it to None (an empty subtree)"
-                )
-            if not (leaf.is_floating_point() or leaf.is_complex()):
-                raise RuntimeError(
-                    f"{name}: '{self.path(index)}': a {leaf.dtype} leaf of argument "
-                    f"{position}; only floating-point and complex tensors can be differentiated "
-                    f"(as with torch.func.grad); differentiate the trainable part only: "
-                    f"params, state = ms.split(model, detach=True), with state as another "
-                    f"argument (out, state = ms.apply(model, params, state, x))"
-                )
+        refuse_undifferentiable(
+            self.leaves,
+            self.path,
+            name,
+            f"leaf of argument {position}",
+            (ValueError, _NOT_TENSOR_FIX),
+            (RuntimeError, _NOT_FLOAT_FIX),
+        )
         self.requires_grad = any(leaf.requires_grad for leaf in self.leaves)
 
     def path(self, index: int) -> str:
