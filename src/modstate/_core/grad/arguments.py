@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -244,16 +244,30 @@ class Ties:
         return [[values[slot] for slot in tree_slots] for tree_slots in self.slots]
 
 
-def call_on_leaves(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    positions: tuple[int, ...],
-    trees: list[Differentiated],
-    leaf_lists: Sequence[list[Any]],
-) -> Any:
-    """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
-    call_args = list(args)
-    for position, tree, leaves in zip(positions, trees, leaf_lists, strict=True):
-        call_args[position] = tree.rebuild(leaves)
-    return fn(*call_args, **kwargs)
+class GradCall(NamedTuple):
+    """One call of ``ms.grad(fn)``'s wrapper: what each route (plain autograd, torch.func, every
+    member at once) computes the gradients of, and the steps they share."""
+
+    name: str  # the public function, for errors: "grad" or "grad_and_value"
+    fn: Callable[..., Any]
+    positions: tuple[int, ...]  # of the differentiated arguments
+    has_aux: bool
+    trees: list[Differentiated]  # one per position
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def call(self, leaf_lists: Sequence[list[Any]]) -> Any:
+        """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
+        call_args = list(self.args)
+        for position, tree, leaves in zip(self.positions, self.trees, leaf_lists, strict=True):
+            call_args[position] = tree.rebuild(leaves)
+        return self.fn(*call_args, **self.kwargs)
+
+    def output(self, result: Any) -> tuple[Any, Any]:
+        """``(output, aux)`` of what fn returned, checked (see `split_output`)."""
+        return split_output(self.name, result, self.has_aux)
+
+    def rebuild(self, leaf_lists: Sequence[list[Any]]) -> list[Any]:
+        """Per differentiated argument, a tree of its structure holding its entry of
+        `leaf_lists` (its gradients)."""
+        return [tree.rebuild(leaves) for tree, leaves in zip(self.trees, leaf_lists, strict=True)]
