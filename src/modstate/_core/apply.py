@@ -11,8 +11,8 @@ from torch import Tensor, nn
 
 from modstate._core.call import call, run_swapped
 from modstate._core.errors import DtypeMismatch, MissingPaths, PathError, ShapeMismatch
-from modstate._core.module.anatomy import anatomy_of
-from modstate._core.swap.apply_plan import buffer_owners, copy_buffers, plan_for
+from modstate._core.module.anatomy import anatomy_of, buffer_owners
+from modstate._core.swap.parts import copy_buffers, read_parts
 from modstate._core.swap.prepare import prepare_in_plan_order
 from modstate._core.swap.swaps import Swap
 from modstate._core.torch_facts import eager_route, version
@@ -39,7 +39,7 @@ def apply(
 def _eager_apply(
     module: nn.Module, params: Any, state: Tree, args: tuple, kwargs: dict
 ) -> tuple[Any, Tree]:
-    if type(params) is dict:
+    if type(params) is dict and type(state) is dict:
         fast = _apply_in_plan_order(module, params, state, args, kwargs)
         if fast is not None:
             return fast
@@ -97,21 +97,21 @@ def _call(module: nn.Module, tree: Any, args: tuple, kwargs: dict, swap: Swap | 
 
 
 def _apply_in_plan_order(
-    module: nn.Module, params: dict, state: Mapping[str, Any], args: tuple, kwargs: dict
+    module: nn.Module, params: dict, state: dict, args: tuple, kwargs: dict
 ) -> tuple[Any, Tree] | None:
     """apply through the anatomy's compiled plan: the leaves of ``params`` and of the copied
-    ``state`` go into the module's slots straight from the plan (`apply_plan.py`). None (nothing
-    done) when the trees are not exactly two disjoint halves of the module's paths: the general
-    route then runs, or names the error."""
+    ``state`` go into the module's slots straight from the plan (read by `swap/parts.py`). None
+    (nothing done) when the trees are not exactly two disjoint halves of the module's paths with
+    every buffer in ``state``: the general route then runs, or names the error."""
     anatomy = anatomy_of(module)
-    found = plan_for(anatomy, module, params, state)
-    if found is None:
+    found = read_parts(anatomy, module, (params, state))
+    if found is None or not found[0].buffers_in_last:
         return None
-    plan, leaves = found
-    offset = len(leaves) - len(plan.state_reader.paths)
-    originals = leaves[offset:]
-    copies = copy_buffers(plan, leaves, module)
-    in_plan_order = list(map(leaves.__getitem__, plan.order))
+    reader, ((params_leaves, _), (originals, _)) = found
+    offset = len(params_leaves)
+    leaves = params_leaves + originals
+    copies = copy_buffers(reader, leaves, module)
+    in_plan_order = reader.in_plan_order(leaves)
     reassigned: dict[Any, Any] = {}  # plan position -> what forward assigned to that buffer
     swap = prepare_in_plan_order(module, anatomy, in_plan_order, partial(_at, reassigned))
     if swap is None:  # other shapes, a sharded module: call reads a tree and says what is wrong
@@ -126,7 +126,7 @@ def _apply_in_plan_order(
         current = reassigned.get(position, copy)
         if current is not copy or training or version(current) != copied_at:
             new_leaves[index - offset] = current
-    return out, plan.state_reader.build(new_leaves)
+    return out, reader.readers[1].build(new_leaves)
 
 
 def _at(node: dict[Any, Any], key: Any) -> tuple[dict[Any, Any], Any]:

@@ -28,6 +28,7 @@ from modstate._core.load import load
 from modstate._core.module.anatomy import slot_at
 from modstate._core.torch_facts import functorch_active, is_dtensor
 from modstate._core.trees.flat import flatten, unflatten
+from modstate.ensemble._stacked_state import mirror
 
 
 def member_range(count: int, mesh: Any, caller: str) -> range:
@@ -71,7 +72,7 @@ class MemberShards:
         made: dict[int, Tensor] = {}
         for path, tensor in flatten(extract(local_stacked)).items():
             prefix, _, name = path.rpartition(".")
-            owner = _owner(owners, prefix)
+            owner = mirror(owners, prefix)
             slot = slot_at(local_stacked, path)
             sharded = made.get(id(tensor))
             if sharded is None:
@@ -138,15 +139,6 @@ class MemberShards:
             f"members={self.count} over {self.mesh.size()} ranks, here "
             f"{self.here.start}..{self.here.stop - 1}"
         )
-
-
-def _owner(owners: dict[str, nn.Module], prefix: str) -> nn.Module:
-    owner = owners.get(prefix)
-    if owner is None:
-        parent_prefix, _, name = prefix.rpartition(".")
-        owner = owners[prefix] = nn.Module()
-        _owner(owners, parent_prefix).add_module(name, owner)
-    return owner
 
 
 def _local_piece(value: Any) -> Any:

@@ -21,11 +21,12 @@ import optree
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES, functorch_active
+from modstate._core.torch_facts import functorch_active
+from modstate._core.trees.leaves import refuse_undifferentiable
+from modstate._core.trees.nodes import leaves_with_paths
 from modstate._core.trees.paths import dotted
 from modstate._core.trees.ties import has_ties, keeping_ties, retie, tie_pairs
 from modstate.optim._lists import Leaves
-from modstate.tree._walk import leaves_with_paths
 
 
 def scalar_dtype(device: torch.device) -> torch.dtype:
@@ -135,29 +136,26 @@ def flatten_tree(tree: Any) -> tuple[list[Any], Any]:
     return optree.tree_flatten(tree, none_is_leaf=False)
 
 
-def _not_float(function: str, path: str, leaf: Tensor) -> TypeError:
-    return TypeError(
-        f"{function}: '{path}': a {leaf.dtype} leaf; an optimizer steps floating-point (or "
-        f"complex) leaves only, and integer state such as BatchNorm's num_batches_tracked is "
-        f"carried, not trained; take the trainable part of the model with params, state = "
-        f"ms.split(model, detach=True), step params, and run the model with "
-        f"out, state = ms.apply(model, params, state, x) (see ms.grad for the gradients)"
-    )
+_NOT_TENSOR_FIX = "; leave it out of params (or set it to None, an empty subtree)"
+_NOT_FLOAT_FIX = (
+    "an optimizer steps floating-point (or complex) leaves only, and integer state such as "
+    "BatchNorm's num_batches_tracked is carried, not trained; take the trainable part of the "
+    "model with params, state = ms.split(model, detach=True), step params, and run the model "
+    "with out, state = ms.apply(model, params, state, x) (see ms.grad for the gradients)"
+)
 
 
 def flatten_params(params: Any, function: str) -> tuple[list[Tensor], optree.PyTreeSpec]:
     """The tensor leaves of `params` (None is an empty subtree); path-named errors for others."""
     leaves, treedef = flatten_tree(params)
-    for index, leaf in enumerate(leaves):
-        if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
-            continue  # the common case, decided without the slower checks below
-        if not isinstance(leaf, Tensor):
-            raise TypeError(
-                f"{function}: '{leaf_paths(params)[index]}': a {type(leaf).__name__} leaf, not a "
-                f"tensor; leave it out of params (or set it to None, an empty subtree)"
-            )
-        if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise _not_float(function, leaf_paths(params)[index], leaf)
+    refuse_undifferentiable(
+        leaves,
+        lambda index: leaf_paths(params)[index],  # paths are walked only for the error
+        function,
+        "leaf",
+        (TypeError, _NOT_TENSOR_FIX),
+        (TypeError, _NOT_FLOAT_FIX),
+    )
     return leaves, treedef
 
 

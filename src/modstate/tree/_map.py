@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from modstate._core.trees.nodes import leaves_with_paths
 from modstate._core.trees.ties import keeping_ties
 from modstate.tree._errors import naming_paths
-from modstate.tree._walk import APPLY, leaves_with_paths, map_leaves, map_leaves_n
+from modstate.tree._walk import APPLY, map_leaves, map_leaves_n
 
 
 def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:

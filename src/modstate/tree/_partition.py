@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from modstate._core.trees.nodes import children, dict_like, is_leaf
 from modstate.tree._errors import StructureMismatch, at_key, message, naming_paths
-from modstate.tree._walk import APPLY, children, describe, dict_like, is_leaf, map_leaves, same_kind
+from modstate.tree._walk import APPLY, describe, map_leaves, same_kind
 
 
 def partition(tree: Any, predicate: Callable[[Any], bool]) -> tuple[Any, Any]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from modstate._core.trees.nodes import children, dict_like, is_leaf
 from modstate._core.trees.paths import glob_matches
 from modstate.tree._errors import message
-from modstate.tree._walk import children, dict_like, is_leaf, map_leaves
+from modstate.tree._walk import map_leaves
 
 
 def select(tree: Any, *patterns: str) -> Any:

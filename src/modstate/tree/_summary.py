@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from modstate.tree._walk import leaves_with_paths
+from modstate._core.trees.nodes import leaves_with_paths
 
 _HEADER = ("path", "shape", "dtype", "device", "size")
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES
+from modstate._core.trees.leaves import refuse_undifferentiable
 from modstate._core.trees.paths import dotted
 from modstate._core.trees.readers import TreeReader
+
+_NOT_TENSOR_FIX = (
+    " (torch.func differentiates tensors); pass it as another argument, or set it to None "
+    "(an empty subtree)"
+)
+_NOT_FLOAT_FIX = (
+    "only floating-point and complex tensors can be differentiated (as with torch.func.grad); "
+    "differentiate the trainable part only: params, state = ms.split(model, detach=True), with "
+    "state as another argument (out, state = ms.apply(model, params, state, x))"
+)
 
 
 class Differentiated:
@@ -40,23 +50,14 @@ class Differentiated:
             self.leaves = leaves
         else:
             self.leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
-        for index, leaf in enumerate(self.leaves):
-            if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
-                continue  # the common case, decided without the slower checks below
-            if not isinstance(leaf, Tensor):
-                raise ValueError(
-                    f"{name}: '{self.path(index)}': a {type(leaf).__name__} leaf of argument "
-                    f"{position}, not a tensor (torch.func differentiates tensors); pass it as "
-                    f"another argument, or set it to None (an empty subtree)"
-                )
-            if not (leaf.is_floating_point() or leaf.is_complex()):
-                raise RuntimeError(
-                    f"{name}: '{self.path(index)}': a {leaf.dtype} leaf of argument "
-                    f"{position}; only floating-point and complex tensors can be differentiated "
-                    f"(as with torch.func.grad); differentiate the trainable part only: "
-                    f"params, state = ms.split(model, detach=True), with state as another "
-                    f"argument (out, state = ms.apply(model, params, state, x))"
-                )
+        refuse_undifferentiable(
+            self.leaves,
+            self.path,
+            name,
+            f"leaf of argument {position}",
+            (ValueError, _NOT_TENSOR_FIX),
+            (RuntimeError, _NOT_FLOAT_FIX),
+        )
         self.requires_grad = any(leaf.requires_grad for leaf in self.leaves)
 
     def path(self, index: int) -> str:
@@ -243,16 +244,30 @@ class Ties:
         return [[values[slot] for slot in tree_slots] for tree_slots in self.slots]
 
 
-def call_on_leaves(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    positions: tuple[int, ...],
-    trees: list[Differentiated],
-    leaf_lists: Sequence[list[Any]],
-) -> Any:
-    """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
-    call_args = list(args)
-    for position, tree, leaves in zip(positions, trees, leaf_lists, strict=True):
-        call_args[position] = tree.rebuild(leaves)
-    return fn(*call_args, **kwargs)
+class GradCall(NamedTuple):
+    """One call of ``ms.grad(fn)``'s wrapper: what each route (plain autograd, torch.func, every
+    member at once) computes the gradients of, and the steps they share."""
+
+    name: str  # the public function, for errors: "grad" or "grad_and_value"
+    fn: Callable[..., Any]
+    positions: tuple[int, ...]  # of the differentiated arguments
+    has_aux: bool
+    trees: list[Differentiated]  # one per position
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def call(self, leaf_lists: Sequence[list[Any]]) -> Any:
+        """``fn(*args, **kwargs)`` with the differentiated arguments rebuilt from `leaf_lists`."""
+        call_args = list(self.args)
+        for position, tree, leaves in zip(self.positions, self.trees, leaf_lists, strict=True):
+            call_args[position] = tree.rebuild(leaves)
+        return self.fn(*call_args, **self.kwargs)
+
+    def output(self, result: Any) -> tuple[Any, Any]:
+        """``(output, aux)`` of what fn returned, checked (see `split_output`)."""
+        return split_output(self.name, result, self.has_aux)
+
+    def rebuild(self, leaf_lists: Sequence[list[Any]]) -> list[Any]:
+        """Per differentiated argument, a tree of its structure holding its entry of
+        `leaf_lists` (its gradients)."""
+        return [tree.rebuild(leaves) for tree, leaves in zip(self.trees, leaf_lists, strict=True)]

@@ -19,18 +19,15 @@ instead (`across_members` returns None).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from modstate._core.grad.arguments import (
-    Differentiated,
+    GradCall,
     Ties,
-    call_on_leaves,
     grad_enabled,
-    split_output,
 )
 from modstate._core.torch_facts import scalar_gradients
 from modstate._core.vmap_levels import (
@@ -42,22 +39,13 @@ from modstate._core.vmap_levels import (
 )
 
 
-def across_members(
-    vmap: LoneVmap,
-    name: str,
-    fn: Callable[..., Any],
-    positions: tuple[int, ...],
-    has_aux: bool,
-    trees: list[Differentiated],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[list[Any], Any] | None:
+def across_members(vmap: LoneVmap, request: GradCall) -> tuple[list[Any], Any] | None:
     """``(gradients per position, value)`` as `ms.grad_and_value` returns them, computed for
     every member at once; None where this route does not hold (see the module docstring)."""
     level = vmap.level
     stacked: list[list[Tensor]] = []  # per tree, the tensor holding every member of each leaf
     dim_of: dict[int, int] = {}  # the member dim of each stacked tensor, by id
-    for tree in trees:
+    for tree in request.trees:
         tree_stacked = []
         for leaf in tree.leaves:
             members, dim = members_of(leaf, level)
@@ -72,8 +60,7 @@ def across_members(
         inputs = [members.detach().requires_grad_() for members in ties.distinct]
     views = [as_member_view(tensor, dim, level) for tensor, dim in zip(inputs, dims, strict=True)]
     with grad_enabled():
-        result = call_on_leaves(fn, args, kwargs, positions, trees, ties.per_tree(views))
-        output, aux = split_output(name, result, has_aux)
+        output, aux = request.output(request.call(ties.per_tree(views)))
         losses, loss_dim = members_of(output, level)
         with VmapSetAside():
             found = (
@@ -85,12 +72,10 @@ def across_members(
         as_member_view(torch.zeros_like(tensor) if g is None else g, dim, level)
         for tensor, g, dim in zip(inputs, found, dims, strict=True)
     ]
-    grads = [
-        tree.rebuild(leaves) for tree, leaves in zip(trees, ties.per_tree(gradients), strict=True)
-    ]
+    grads = request.rebuild(ties.per_tree(gradients))
     value = losses.detach()
     value = value if loss_dim is None else as_member_view(value, loss_dim, level)
-    return grads, ((value, _detached_members(aux, level)) if has_aux else value)
+    return grads, ((value, _detached_members(aux, level)) if request.has_aux else value)
 
 
 def _detached_members(aux: Any, level: int) -> Any:

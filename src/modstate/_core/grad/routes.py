@@ -28,11 +28,10 @@ from torch import Tensor
 
 from modstate._core.grad.arguments import (
     Differentiated,
+    GradCall,
     Ties,
-    call_on_leaves,
     detached,
     grad_enabled,
-    split_output,
 )
 from modstate._core.grad.members import across_members
 from modstate._core.torch_facts import functorch_active, scalar_gradients
@@ -138,24 +137,25 @@ def _grad_and_value(
             Differentiated(name, position, args[position], readers.setdefault(position, []))
             for position in positions
         ]
+        request = GradCall(name, fn, positions, has_aux, trees, args, kwargs)
         transformed = functorch_active()
         found = None
         if transformed and not torch.compiler.is_compiling():
             vmap = lone_vmap()
             if vmap is not None:
-                found = across_members(vmap, name, fn, positions, has_aux, trees, args, kwargs)
+                found = across_members(vmap, request)
         if found is not None:
             grads, value = found
         elif transformed or any(tree.requires_grad for tree in trees):
-            grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
+            grads, value = _with_torch_func(request)
         elif torch.compiler.is_compiling():
             # torch.func's grad, which Dynamo traces into the graph (it skips autograd.grad's
             # engine call by design, which would end the graph); detached, as plain autograd's
             # results are: tensors that fn closes over (a module's own Parameters) are constants.
-            grads, value = _with_torch_func(fn, positions, has_aux, trees, args, kwargs)
+            grads, value = _with_torch_func(request)
             grads, value = [detached(g) for g in grads], detached(value)
         else:
-            grads, value = _with_autograd(name, fn, positions, has_aux, trees, args, kwargs)
+            grads, value = _with_autograd(request)
         return (tuple(grads) if isinstance(argnums, tuple) else grads[0]), value
 
     return gradient_and_value
@@ -188,21 +188,12 @@ def _positions(name: str, argnums: object, count: int) -> tuple[int, ...]:
     return tuple(positions)
 
 
-def _with_autograd(
-    name: str,
-    fn: Callable[..., Any],
-    positions: tuple[int, ...],
-    has_aux: bool,
-    trees: list[Differentiated],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[list[Any], Any]:
+def _with_autograd(request: GradCall) -> tuple[list[Any], Any]:
     """Plain autograd: one leaf that requires grad per distinct tensor (a tie stays one)."""
-    ties = Ties([tree.leaves for tree in trees])
+    ties = Ties([tree.leaves for tree in request.trees])
     inputs = [leaf.detach().requires_grad_() for leaf in ties.distinct]
     with grad_enabled():
-        result = call_on_leaves(fn, args, kwargs, positions, trees, ties.per_tree(inputs))
-        output, aux = split_output(name, result, has_aux)
+        output, aux = request.output(request.call(ties.per_tree(inputs)))
         found: Sequence[Tensor | None] = (
             scalar_gradients(output, inputs)
             if output.requires_grad
@@ -211,30 +202,20 @@ def _with_autograd(
     gradients = [
         torch.zeros_like(leaf) if g is None else g for leaf, g in zip(inputs, found, strict=True)
     ]
-    grads = [
-        tree.rebuild(leaves) for tree, leaves in zip(trees, ties.per_tree(gradients), strict=True)
-    ]
+    grads = request.rebuild(ties.per_tree(gradients))
     value = output.detach()
-    return grads, ((value, detached(aux)) if has_aux else value)
+    return grads, ((value, detached(aux)) if request.has_aux else value)
 
 
-def _with_torch_func(
-    fn: Callable[..., Any],
-    positions: tuple[int, ...],
-    has_aux: bool,
-    trees: list[Differentiated],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[list[Any], Any]:
+def _with_torch_func(request: GradCall) -> tuple[list[Any], Any]:
     """``torch.func.grad_and_value`` over the differentiated leaves as flat lists, so that None
     holes stay holes (torch's pytrees would hand None to the transform)."""
 
     def on_leaves(*leaf_lists: list[Tensor]) -> Any:
-        return call_on_leaves(fn, args, kwargs, positions, trees, leaf_lists)
+        return request.call(leaf_lists)
 
-    leaf_lists = [list(tree.leaves) for tree in trees]
+    leaf_lists = [list(tree.leaves) for tree in request.trees]
     flat_grads, value = torch.func.grad_and_value(
-        on_leaves, argnums=tuple(range(len(trees))), has_aux=has_aux
+        on_leaves, argnums=tuple(range(len(leaf_lists))), has_aux=request.has_aux
     )(*leaf_lists)
-    grads = [tree.rebuild(list(g)) for tree, g in zip(trees, flat_grads, strict=True)]
-    return grads, value
+    return request.rebuild([list(g) for g in flat_grads]), value

@@ -116,6 +116,15 @@ def buffer_paths(module: nn.Module, *, persistent_only: bool = False) -> set[str
     }
 
 
+def buffer_owners(module: nn.Module) -> dict[str, nn.Module]:
+    """The module that holds each buffer, by path (a shared module, or buffer, at each path)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: owner
+        for prefix, owner in module.named_modules(remove_duplicate=False)
+        for name, _ in owner.named_buffers(recurse=False, remove_duplicate=False)
+    }
+
+
 def check_supported(module: nn.Module) -> None:
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError(

@@ -90,6 +90,9 @@ class SlotTable(dict):  # type: ignore[type-arg]
     def __getitem__(self, name: str) -> Any:
         if is_dynamo_compiling():
             return super().__getitem__(name)
+        # The thread's layer lookup is written out here and in `get`, not shared by a helper:
+        # every read of a parameter in forward (``self.weight``) lands here, and a call more
+        # per read shows in the small-model call overhead.
         layers = self.layers
         if layers:
             layer = layers.get(get_ident())

@@ -170,13 +170,20 @@ class Sharding:
 
         return restore
 
+    def _fsdp_owner(self, table: dict[str, Any], name: str) -> tuple[str, str] | None:
+        """``(path of table[name], path of the FSDP2 module owning it)`` for a parameter that
+        FSDP2 owns, else None."""
+        owner = self.fsdp_owned.get(id(table))
+        if owner is None:
+            return None
+        return (f"{owner[0]}.{name}" if owner[0] else name), (owner[1] or "the root module")
+
     def check_swappable(self, tables: list[dict[str, Any]], names: list[str]) -> None:
         """Refuse, naming the path, a permanent swap of a parameter that FSDP2 owns."""
         for table, name in zip(tables, names, strict=True):
-            owner = self.fsdp_owned.get(id(table))
-            if owner is not None:
-                path = f"{owner[0]}.{name}" if owner[0] else name
-                fsdp_path = owner[1] or "the root module"
+            owned = self._fsdp_owner(table, name)
+            if owned is not None:
+                path, fsdp_path = owned
                 raise ValueError(
                     f"{path!r}: {fsdp_path!r} is sharded with FSDP2 (fully_shard), which owns "
                     "this parameter and all-gathers its own copy before every forward, so "
@@ -188,10 +195,9 @@ class Sharding:
         """Refuse, naming the path, an in-place load into parameters that FSDP2 holds gathered
         (between forward and backward): FSDP reshards from its own shards, so it would be lost."""
         for table, name in zip(tables, names, strict=True):
-            owner = self.fsdp_owned.get(id(table))
-            if owner is not None and not is_dtensor(table.get(name)):
-                path = f"{owner[0]}.{name}" if owner[0] else name
-                fsdp_path = owner[1] or "the root module"
+            owned = self._fsdp_owner(table, name)
+            if owned is not None and not is_dtensor(table.get(name)):
+                path, fsdp_path = owned
                 raise ValueError(
                     f"{path!r}: {fsdp_path!r} (FSDP2) holds its gathered parameters now (after a "
                     "forward whose backward has not run, or with reshard_after_forward=False), "

@@ -6,8 +6,8 @@
   every thread (``inject``, ``swap``);
 - ``unknown``: the error for a path that names no tensor (what is there instead);
 - ``traced``: the same checks while ``torch.compile`` traces, where there is no anatomy;
-- ``parts`` and ``apply_plan``: the reading programs a call and ``apply`` make once per tree
-  structure.
+- ``parts``: the `PartsReader`, the reading program a call and ``apply`` make once per
+  structure of a tuple of trees such as ``(params, state)``, and its one cache.
 
 May import: the base modules, ``trees``, ``sharded`` and ``module``.
 """

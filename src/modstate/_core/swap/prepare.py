@@ -68,7 +68,7 @@ def prepare(
     if type(tree) is dict or isinstance(tree, Mapping):
         prepared = _prepare_compiled(anatomy, tree, strict, private, lock)
     elif isinstance(tree, (tuple, list)):
-        prepared = _prepare_compiled_parts(anatomy, tree, strict, private, lock)
+        prepared = _prepare_compiled_parts(module, anatomy, tree, strict, private, lock)
     if prepared is None:
         prepared = _prepare_by_path(anatomy, tree, strict, private, lock)
     if compute:
@@ -169,17 +169,22 @@ def _prepare_compiled(
 
 
 def _prepare_compiled_parts(
+    module: nn.Module,
     anatomy: Anatomy,
     parts: tuple[Any, ...] | list[Any],
     strict: bool,
     private: bool,
     lock: threading.RLock | None,
 ) -> Swap | None:
-    read = read_parts(anatomy, parts)
+    read = read_parts(anatomy, module, parts)
     if read is None:
         return None
-    leaves, target = read
-    return _compiled_swap(anatomy, leaves, target, strict, private, lock)
+    reader, found = read
+    leaves: list[Any] = []
+    for part_leaves, _ in found:
+        leaves += part_leaves  # numbered one after the other, as the reader's order counts
+    place = partial(reader.place, found)
+    return _compiled_swap(anatomy, reader.in_plan_order(leaves), place, strict, private, lock)
 
 
 def _compiled_swap(

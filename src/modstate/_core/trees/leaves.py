@@ -1,11 +1,15 @@
-"""Reading the trees a caller passes: one tree, or several that together give the module's paths."""
+"""Reading the trees a caller passes: one tree, or several that together give the module's paths;
+and the one check of the leaves that are differentiated or stepped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from torch import Tensor
+
 from modstate._core.errors import DuplicatePath, PathTypeError
+from modstate._core.torch_facts import DIFFERENTIABLE_DTYPES
 from modstate._core.trees.flat import is_subtree, non_string_key
 from modstate._core.types import TreeArg
 
@@ -56,3 +60,33 @@ def _leaves_with_parents(
             yield from _leaves_with_parents(value, f"{prefix}{key}.")
         elif value is not None:
             yield prefix + key, value, tree, key
+
+
+def refuse_undifferentiable(
+    leaves: Sequence[Any],
+    path_of: Callable[[int], str],
+    function: str,
+    found: str,
+    not_tensor: tuple[type[Exception], str],
+    not_float: tuple[type[Exception], str],
+) -> None:
+    """Refuse a leaf that is not a floating-point or complex tensor, naming its path: the one
+    check of the leaves that ``ms.grad`` differentiates and that an optimizer steps.
+
+    ``path_of(i)`` is leaf ``i``'s dotted path (looked up only for an error); ``found`` says what
+    the leaf is to the caller (``"leaf of argument 0"``). ``not_tensor`` and ``not_float`` are,
+    per fault, the exception class the caller raises (each keeps the class its users catch:
+    ``grad`` raises torch.func.grad's RuntimeError for an integer leaf, an optimizer TypeError)
+    and the message's tail, which says why and what to do instead."""
+    for index, leaf in enumerate(leaves):
+        if type(leaf) is Tensor and leaf.dtype in DIFFERENTIABLE_DTYPES:
+            continue  # the common case, decided without the slower checks below
+        if not isinstance(leaf, Tensor):
+            error, tail = not_tensor
+            raise error(
+                f"{function}: '{path_of(index)}': a {type(leaf).__name__} {found}, not a tensor"
+                f"{tail}"
+            )
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            error, tail = not_float
+            raise error(f"{function}: '{path_of(index)}': a {leaf.dtype} {found}; {tail}")

@@ -4,7 +4,7 @@ A tree handed to modstate over and over (every training step) has the same struc
 Walking it recursively costs more than the swap itself on small models; a `TreeReader` numbers
 the dict nodes of one structure once, and then reads a tree of that structure with a few C-level
 passes over flat lists, or tells that the tree is shaped otherwise. The module's `Anatomy` keeps
-one for trees shaped like ``extract``'s; ``parts.py`` keeps one per part of a tuple of trees.
+one for trees shaped like ``extract``'s; ``swap/parts.py`` keeps one per part of a tuple of trees.
 """
 
 from __future__ import annotations
