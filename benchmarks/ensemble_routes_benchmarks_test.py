@@ -111,8 +111,12 @@ def steps(
     """The three implementations of one cell, and the ``auto`` ensemble (for its plan)."""
     for model in models:
         model.train(train)
-    auto = ms.Ensemble(copy.deepcopy(models)).train(train)
-    batched = ms.Ensemble(copy.deepcopy(models), route="batched").train(train)
+    # a member that draws random numbers in training (GPT-2's dropout) needs a draw per member;
+    # auto then runs batched unmeasured (a loop would draw other masks)
+    randomness = "different" if train else "error"
+    auto = ms.Ensemble(copy.deepcopy(models), randomness=randomness).train(train)
+    batched = ms.Ensemble(copy.deepcopy(models), route="batched", randomness=randomness)
+    batched.train(train)
 
     def loop_fwd() -> Any:
         with torch.no_grad():
@@ -152,7 +156,8 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
     start = time.perf_counter()
     impls["auto"]()  # the first call measures the routes
     first = time.perf_counter() - start
-    samples = interleave(impls, rounds=rounds, warmup_s=0.0, round_s=0.0)
+    # a round of a small cell times several calls (0.05 s), of a large one a single call
+    samples = interleave(impls, rounds=rounds, warmup_s=0.0, round_s=0.05)
     median = {name: statistics.median(values) for name, values in samples.items()}
     chosen = [note for note in auto.plan.notes if note.startswith("forward for")]
     route = chosen[-1].split(": ")[1].split(" ")[0] if chosen else "batched"
