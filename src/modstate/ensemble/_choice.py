@@ -43,6 +43,8 @@ from modstate._core.call import call
 from modstate._core.torch_facts import functorch_active
 from modstate._core.trees.flat import Layout
 
+from ._vmap import argument_dims
+
 ROUTES = ("auto", "batched", "loop")
 _ROUNDS = 4  # the first is a warm-up: caches, the kernels' first-call learning
 _MAX_ROUNDS = 12
@@ -159,7 +161,7 @@ def loop_forward(
 ) -> Any:
     """``template`` called on each member's tree (its slice of each mapped input), the outputs
     stacked along a new leading dim, as the batched forward returns them."""
-    dims = _dims(in_dims, len(args))
+    dims = argument_dims(in_dims, len(args), "Ensemble")
     outputs = []
     for i, tree in enumerate(trees):
         own = tuple(a if d is None else a.select(d, i) for a, d in zip(args, dims, strict=True))
@@ -171,12 +173,6 @@ def loop_forward(
         for k, leaf in enumerate(leaves)
     ]
     return pytree.tree_unflatten(stacked, spec)
-
-
-def _dims(in_dims: Any, count: int) -> tuple[int | None, ...]:
-    if in_dims is None or isinstance(in_dims, int):
-        return (in_dims,) * count
-    return tuple(in_dims)
 
 
 def _signature(owner: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Hashable:
@@ -212,22 +208,18 @@ def _measure(
     trained = [t for t in dict.fromkeys(stacked) if t.requires_grad]
     rng = torch.random.get_rng_state()
     times: dict[str, list[float]] = {"batched": [], "loop": []}
-    try:
-        rounds = 0
-        # at least _ROUNDS; more while they are cheap (small models: the times are noisier)
-        while rounds < _ROUNDS or (rounds < _MAX_ROUNDS and _spent(times) < _CHEAP_S):
-            rounds += 1
-            for name, way in (("batched", batched), ("loop", loop)):  # interleaved rounds
+    rounds = 0
+    # at least _ROUNDS; more while they are cheap (small models: the times are noisier)
+    while rounds < _ROUNDS or (rounds < _MAX_ROUNDS and _spent(times) < _CHEAP_S):
+        rounds += 1
+        for name, way in (("batched", batched), ("loop", loop)):  # interleaved rounds
+            try:
                 times[name].append(_timed(way, trained))
-                with torch.no_grad():  # what the run changed in place (BatchNorm's statistics)
+            finally:  # after every run, also one that raised: what it changed in place
+                with torch.no_grad():  # (BatchNorm's statistics) and the random state
                     for tensor, value in zip(buffers, saved, strict=True):
                         tensor.copy_(value)
                 torch.random.set_rng_state(rng)
-    finally:
-        with torch.no_grad():
-            for tensor, value in zip(buffers, saved, strict=True):
-                tensor.copy_(value)
-        torch.random.set_rng_state(rng)
     batched_s, loop_s = (min(times[name][1:]) for name in ("batched", "loop"))
     return Choice(
         words,
