@@ -14,16 +14,17 @@ from modstate._core.trees.flat import Layout, flatten
 from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain
-from ._choice import ROUTES, ForwardChoice, loop_forward, member_trees
-from ._declared import check_declared_layers, checked_kernels
+from ._choice import ForwardChoice, loop_forward, member_trees
+from ._declared import check_declared_layers
 from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
+from ._options import checked_options, on_ranks
 from ._plan import Plan
 from ._runner import ThreadRunners, VmapRunner
 from ._sharded import MemberShards
 from ._stack import stack_modules
 from ._stacked_state import homes_of, private_copy, register_stacked
-from ._vmap import RANDOMNESS, InDims
+from ._vmap import InDims
 
 
 class Ensemble(nn.Module):
@@ -138,7 +139,7 @@ class Ensemble(nn.Module):
         route: str = "auto",
     ) -> None:
         super().__init__()
-        options = _options("Ensemble", compile, in_dims, randomness, fast, route, kernels)
+        options = checked_options("Ensemble", compile, in_dims, randomness, fast, route, kernels)
         modules = list(modules)
         if not modules:
             raise ValueError("Ensemble: no models; give at least one")
@@ -148,7 +149,7 @@ class Ensemble(nn.Module):
             self._own(private_copy(modules[0]), stacked, len(modules), options)
             return
         shards = MemberShards(mesh, len(modules), "Ensemble")
-        local = Ensemble([modules[i] for i in shards.here], **_on_ranks(options))
+        local = Ensemble([modules[i] for i in shards.here], **on_ranks(options))
         self._shard(local, shards)
 
     @classmethod
@@ -221,7 +222,7 @@ class Ensemble(nn.Module):
             True
         """
         caller = "Ensemble.from_factory"
-        options = _options(caller, compile, in_dims, randomness, fast, route, kernels)
+        options = checked_options(caller, compile, in_dims, randomness, fast, route, kernels)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
         given = None if seeds is None else checked_seeds(seeds, n, caller)
@@ -233,7 +234,7 @@ class Ensemble(nn.Module):
         template, stacked = build_members(factory, [given[i] for i in indices], caller)
         check_declared_layers(template, options["kernels"], caller)
         local = cls._assembled(
-            template, stacked, len(indices), options if shards is None else _on_ranks(options)
+            template, stacked, len(indices), options if shards is None else on_ranks(options)
         )
         if shards is None:
             return local
@@ -504,38 +505,3 @@ class Ensemble(nn.Module):
             f"Ensemble(\n  members={self.count}, parameters={values:,} (stacked)"
             f"{', compiled' if self.compiled else ''}\n  plan: {plan}\n)"
         )
-
-
-def _on_ranks(options: dict[str, Any]) -> dict[str, Any]:
-    """A rank's part of a member-parallel ensemble runs batched unless the loop is asked for:
-    ranks measuring apart could choose apart."""
-    return {**options, "route": "loop" if options["route"] == "loop" else "batched"}
-
-
-def _options(
-    caller: str,
-    compile: bool,
-    in_dims: InDims,
-    randomness: str,
-    fast: bool,
-    route: str,
-    kernels: Any = None,
-) -> dict[str, Any]:
-    if route not in ROUTES:
-        raise ValueError(f"{caller}: route={route!r}; use one of {', '.join(map(repr, ROUTES))}")
-    if randomness not in RANDOMNESS:
-        raise ValueError(
-            f"{caller}: randomness={randomness!r}; use one of {', '.join(map(repr, RANDOMNESS))}"
-        )
-    if in_dims is not None and not isinstance(in_dims, (int, tuple, list)):
-        raise TypeError(
-            f"{caller}: in_dims is a {type(in_dims).__name__}; give None, an int or a tuple"
-        )
-    return {
-        "compile": compile,
-        "in_dims": in_dims,
-        "randomness": randomness,
-        "fast": fast,
-        "route": route,
-        "kernels": checked_kernels(kernels, caller),
-    }

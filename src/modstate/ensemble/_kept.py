@@ -35,7 +35,8 @@ from modstate._core.extract import extract
 from modstate._core.module.anatomy import slot_at
 from modstate._core.trees.flat import flatten
 
-from ._ensemble import Ensemble, _options
+from ._ensemble import Ensemble
+from ._options import checked_options
 from ._stacked_state import sharing_copy
 from ._vmap import InDims
 
@@ -79,7 +80,7 @@ def _build(module: nn.Module, count: int, randomness: str, in_dims: InDims) -> E
         extract(template),  # type: ignore[arg-type]
         none_is_leaf=False,
     )
-    options = _options("modstate", False, in_dims, randomness, True, "batched")
+    options = checked_options("modstate", False, in_dims, randomness, True, "batched")
     try:
         return Ensemble._assembled(template, placeholders, count, options)
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
