@@ -275,3 +275,42 @@ def test_relative_imports_are_resolved_from_the_package():
     assert imported_modules("from . import _walk", "modstate.tree", True) == [
         (1, "modstate.tree._walk")
     ]
+
+
+# torch's private functorch API (``torch._C._functorch``, ``torch._functorch``) changes between
+# releases; one module of modstate calls it, so a torch upgrade is fixed in one place.
+FUNCTORCH_SEAM = "modstate._core.vmap_levels"
+
+
+def functorch_callers(sources: dict[str, str]) -> list[str]:
+    """The modules among ``sources`` (name -> text) other than the seam that reach torch's
+    private functorch API, by import or by attribute."""
+    found = []
+    for module, source in sorted(sources.items()):
+        if module == FUNCTORCH_SEAM:
+            continue
+        names = [name for _, name in imported_modules(source, module, False)]
+        names += [ast.unparse(node) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute)]  # fmt: skip
+        if any(name.startswith(("torch._C._functorch", "torch._functorch")) for name in names):
+            found.append(module)
+    return found
+
+
+def test_only_the_seam_calls_torchs_private_functorch_api():
+    sources = {module_name(path): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    assert FUNCTORCH_SEAM in sources
+    assert functorch_callers(sources) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\nx = torch._C._functorch.get_unwrapped(t)",
+        "from torch._C._functorch import is_batchedtensor",
+        "from torch._functorch.pyfunctorch import coerce_cinterpreter",
+    ],
+)
+def test_the_seam_check_names_a_module_that_calls_functorch_itself(source):
+    sources = {"modstate._core.sharded.units": source, FUNCTORCH_SEAM: source}
+    assert functorch_callers(sources) == ["modstate._core.sharded.units"]

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from torch.compiler import is_dynamo_compiling
 
+from modstate._core.vmap_levels import unwrapped
+
 T = TypeVar("T")
 
 # The dtypes that autograd differentiates and optimizers step: floating point and complex. (A
@@ -26,14 +28,6 @@ def is_trainable(leaf: object) -> bool:
         and leaf.requires_grad
         and (leaf.is_floating_point() or leaf.is_complex())
     )
-
-
-def unwrapped(tensor: Tensor) -> Tensor:
-    """The tensor inside every ``torch.func`` wrapper (``grad``, ``vmap``) around ``tensor``."""
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    while is_wrapped(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
-    return tensor
 
 
 def version(tensor: Tensor) -> int:

@@ -12,13 +12,16 @@ second time). The ensemble's batched kernels work this way, and so do ``ms.grad`
 
 This is what ``torch.autograd.Function``'s ``vmap`` staticmethod does; measured, going through it
 costs about 250 µs a call against 6 µs here. The price is a few private functions of
-``torch._C._functorch`` (``torch_facts`` and ``sharded/`` read a few more: unwrapping a
-functorch wrapper, and a DTensor that a transform wrapped).
+``torch._C._functorch``; this module is the only one in modstate that calls them
+(``tests/test_layers.py`` keeps it so), and it also serves the rest of modstate's needs of that
+API: the tensor inside the transforms' wrappers (`unwrapped`, `wrapper_chain`), and the grad
+levels that ``sharded/`` takes off and puts back around a DTensor (`grad_wrapped`,
+`wrap_for_grad`, `grad_levels`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -27,8 +30,13 @@ from torch._C._functorch import (
     TransformType,
     _add_batch_dim,
     _unwrap_batched,
+    _wrap_for_grad,
     get_interpreter_stack,
+    get_unwrapped,
+    is_batchedtensor,
+    is_functorch_wrapped_tensor,
     maybe_current_level,
+    maybe_get_level,
     pop_dynamic_layer_stack,
     push_dynamic_layer_stack,
 )
@@ -38,11 +46,16 @@ __all__ = [
     "LoneVmap",
     "VmapSetAside",
     "as_member_view",
+    "grad_levels",
+    "grad_wrapped",
     "lone_vmap",
     "maps_members",
     "maybe_current_level",
     "members_of",
+    "unwrapped",
     "vmap_tree_map",
+    "wrap_for_grad",
+    "wrapper_chain",
 ]
 
 
@@ -71,6 +84,50 @@ def lone_vmap() -> LoneVmap | None:
 
 
 _VmapPointer: Any = getattr(torch._C._functorch, "CVmapInterpreterPtr", None)
+
+
+def unwrapped(tensor: Tensor) -> Tensor:
+    """The tensor inside every ``torch.func`` wrapper (``grad``, ``vmap``) around ``tensor``."""
+    while is_functorch_wrapped_tensor(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
+
+
+def wrapper_chain(tensor: Tensor) -> Iterator[Tensor]:
+    """``tensor``, then each tensor inside its ``torch.func`` wrappers, outermost first (a
+    wrapper reports ``requires_grad`` for its own level only)."""
+    yield tensor
+    while is_functorch_wrapped_tensor(tensor):
+        tensor = get_unwrapped(tensor)
+        yield tensor
+
+
+def grad_levels() -> int:
+    """How many ``torch.func`` transforms that differentiate (grad, vjp, jvp) are running."""
+    kinds = (TransformType.Grad, TransformType.Jvp)
+    return sum(interpreter.key() in kinds for interpreter in get_interpreter_stack() or ())
+
+
+def grad_wrapped(tensor: Tensor) -> tuple[Tensor, list[int]] | None:
+    """``(inner, levels)``: the tensor inside the ``torch.func.grad`` wrappers around ``tensor``
+    and their levels, outermost first; None when a ``vmap`` wrapper is among them."""
+    levels = []
+    while is_functorch_wrapped_tensor(tensor):
+        if is_batchedtensor(tensor):
+            return None
+        levels.append(maybe_get_level(tensor))
+        tensor = get_unwrapped(tensor)
+    return tensor, levels
+
+
+def wrap_for_grad(tensor: Tensor, levels: list[int]) -> Tensor:
+    """``tensor`` wrapped again at each grad level of ``levels`` (outermost first, as
+    `grad_wrapped` gives them), innermost first."""
+    for level in reversed(levels):
+        tensor = _wrap_for_grad(tensor, level)
+    return tensor
+
+
 _RANDOMNESS = {"Error": "error", "Same": "same", "Different": "different"}
 
 

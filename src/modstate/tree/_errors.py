@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
+from modstate._core.errors import message as core_message
+
 # Errors from modstate's own leaf operations, re-raised as the same class with the path in front.
 _PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
 
@@ -52,8 +54,9 @@ def refuse_non_tensor(leaf: Any) -> NoReturn:
 
 
 def message(op: str, what: str, path: str | None = None) -> str:
-    """``"tree.<op>: '<path>': <what>"``, the path left out when there is none."""
-    return f"tree.{op}: {path!r}: {what}" if path is not None else f"tree.{op}: {what}"
+    """``"tree.<op>: '<path>': <what>"``: the library's one error format (`_core.errors.message`)
+    for the public function ``tree.<op>``, the path left out when there is none."""
+    return core_message(f"tree.{op}", path or "", what)
 
 
 Result = TypeVar("Result")

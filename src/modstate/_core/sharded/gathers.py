@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from modstate._core.torch_facts import functorch_active, is_dtensor, unwrapped
+from modstate._core.torch_facts import functorch_active, is_dtensor
+from modstate._core.vmap_levels import grad_levels, grad_wrapped, unwrapped, wrap_for_grad
 
 _VMAP_OF_GRAD = (
     "torch.vmap around torch.func.grad (per-sample gradients) through a call on a sharded module "
@@ -273,7 +274,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         # A backward that records a graph of its own (create_graph=True, or a torch.func level
         # outside this one; a single torch.func.grad records one that nothing uses).
-        if _grad_levels() > 1 if functorch_active() else torch.is_grad_enabled():
+        if grad_levels() > 1 if functorch_active() else torch.is_grad_enabled():
             raise NotImplementedError(_SECOND_ORDER)
         gathered: Gathered = ctx.gathered
         pieces = gathered.pieces(grads)
@@ -290,13 +291,6 @@ class _Gather(torch.autograd.Function):
         ]
         outs = _Gather.apply(gathered, *moved)
         return outs, tuple(None if d is None else 0 for d in in_dims[1:])
-
-
-def _grad_levels() -> int:
-    """How many torch.func transforms that differentiate (grad, vjp, jvp) are running."""
-    stack = torch._C._functorch.get_interpreter_stack() or ()
-    kinds = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
-    return sum(interpreter.key() in kinds for interpreter in stack)
 
 
 def gather(gathered: Gathered, values: list[Any]) -> list[Tensor]:
@@ -329,7 +323,11 @@ def piece_of(full: Tensor, mesh: Any, placements: Any) -> Tensor:
 
     if any(p.is_partial() for p in placements):
         raise ValueError("a Partial placement has no piece of a full tensor")
-    if not torch._C._functorch.is_functorch_wrapped_tensor(full):
+    found = grad_wrapped(full)
+    if found is None:
+        raise NotImplementedError(_VMAP_OF_GRAD)
+    inner, levels = found
+    if not levels:
         return DTensor.from_local(
             _local_piece(full, mesh, placements),
             mesh,
@@ -341,19 +339,10 @@ def piece_of(full: Tensor, mesh: Any, placements: Any) -> Tensor:
     # A gradient inside torch.func.grad is wrapped once per grad level; from_local (an
     # autograd.Function without setup_context) cannot run there, so the DTensor is made around
     # the innermost tensor and wrapped again, level by level.
-    levels = []
-    inner = full
-    while torch._C._functorch.is_functorch_wrapped_tensor(inner):
-        if torch._C._functorch.is_batchedtensor(inner):
-            raise NotImplementedError(_VMAP_OF_GRAD)
-        levels.append(torch._C._functorch.maybe_get_level(inner))
-        inner = torch._C._functorch.get_unwrapped(inner)
     piece = _dtensor_around(
         _local_piece(inner, mesh, placements), mesh, placements, full.shape, full.stride()
     )
-    for level in reversed(levels):
-        piece = torch._C._functorch._wrap_for_grad(piece, level)
-    return piece
+    return wrap_for_grad(piece, levels)
 
 
 def _local_piece(full: Tensor, mesh: Any, placements: Any) -> Tensor:

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from modstate._core.sharded.gathers import gathered, holds_dtensor, piece_of
-from modstate._core.torch_facts import is_dtensor, unwrapped
+from modstate._core.torch_facts import is_dtensor
+from modstate._core.vmap_levels import unwrapped
 
 __all__ = [
     "Sharding",

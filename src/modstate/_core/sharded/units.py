@@ -39,9 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from modstate._core.sharded.gathers import Gathered, gather
-from modstate._core.torch_facts import is_dtensor, unwrapped
-
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+from modstate._core.torch_facts import is_dtensor
+from modstate._core.vmap_levels import unwrapped, wrapper_chain
 
 
 class Policy:
@@ -269,12 +268,7 @@ class _RefillBeforeBackward(torch.autograd.Function):
 def _tracked(tensor: Tensor) -> bool:
     """Whether autograd records ``tensor`` at some level (torch.func wraps report it level by
     level: a vmapped tensor inside torch.func.grad says False outside, True one level in)."""
-    while True:
-        if tensor.requires_grad:
-            return True
-        if not _is_wrapped(tensor):
-            return False
-        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return any(level.requires_grad for level in wrapper_chain(tensor))
 
 
 def _storage(tensor: Tensor) -> int:

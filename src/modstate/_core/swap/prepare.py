@@ -35,10 +35,10 @@ from modstate._core.sharded.sharding import partial_leaf
 from modstate._core.swap.parts import read_parts
 from modstate._core.swap.swaps import Swap, UnshardedSwap
 from modstate._core.swap.unknown import unknown_path, wrapper_prefix
-from modstate._core.torch_facts import unwrapped
 from modstate._core.trees.flat import unflatten
 from modstate._core.trees.leaves import leaves_of
 from modstate._core.types import TreeArg
+from modstate._core.vmap_levels import unwrapped
 
 _is = operator.is_
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
