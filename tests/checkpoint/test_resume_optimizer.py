@@ -79,3 +79,25 @@ def test_as_saved_refuses_a_path_with_nothing_saved_under_it(saved):
     directory, _ = saved
     with pytest.raises(ValueError, match="as_saved names 'optimiser', but the checkpoint holds"):
         checkpoint.load_distributed(directory, {}, as_saved=["optimiser"])
+
+
+def test_a_floated_counter_in_the_checkpoint_names_as_saved_not_a_rounding_cast(tmp_path):
+    # issue 41: a counter saved as a float (an average of counters) into like's int64 counter;
+    # a cast would round 2.5 to 2, so the error names as_saved, and as_saved reads 2.5.
+    bn = nn.BatchNorm1d(3)
+    tree = ms.extract(bn, copy=True)
+    saved = {**tree, "num_batches_tracked": torch.tensor(2.5, dtype=torch.float64)}
+    checkpoint.save_distributed(saved, tmp_path / "soup")
+    with pytest.raises(ValueError) as info:
+        checkpoint.load_distributed(tmp_path / "soup", ms.extract(bn))
+    text = str(info.value)
+    assert (
+        "'num_batches_tracked' has dtype torch.float64 in the checkpoint, torch.int64 in " in text
+    )
+    assert "as_saved=['num_batches_tracked'] reads it as saved, a cast would round it" in text
+    assert "strict=False casts" not in text
+    loaded = checkpoint.load_distributed(
+        tmp_path / "soup", ms.extract(bn), as_saved=["num_batches_tracked"]
+    )
+    assert loaded["num_batches_tracked"].item() == 2.5
+    assert torch.equal(loaded["weight"], tree["weight"])

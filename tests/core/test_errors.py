@@ -174,3 +174,53 @@ def test_flatten_and_unflatten_errors_name_the_function_and_path():
         ValueError, match=r"^unflatten: 'a\.b': lies under 'a', which is already a leaf"
     ):
         ms.unflatten({"a": torch.ones(1), "a.b": torch.ones(1)})
+
+
+def floated_counter_tree(net: nn.Module) -> dict:
+    """What an op on every leaf gives: BatchNorm's counter made floating-point, and fractional."""
+    tree = ms.extract(net, copy=True)
+    tree["2"]["num_batches_tracked"] = tree["2"]["num_batches_tracked"].double() + 2.5
+    return tree
+
+
+@pytest.mark.parametrize("function", ["load", "call", "inject"])
+def test_a_floated_counter_is_not_offered_strict_false_and_the_named_fix_keeps_the_counter(
+    function,
+):
+    # issue 41: strict=False would turn 2.5 into 2 (load) or give the module a float counter.
+    net, x = model(), torch.randn(5, 3)
+    net[2].num_batches_tracked.fill_(7)
+    tree, before = floated_counter_tree(net), snapshot(net)
+    runs = {
+        "load": lambda t: ms.load(net, t),
+        "call": lambda t: ms.call(net, t, x),
+        "inject": lambda t: ms.inject(net, t).__enter__(),
+    }
+    with pytest.raises(TypeError) as info:
+        runs[function](tree)
+    text = str(info.value)
+    assert text.startswith(
+        f"{function}: '2.num_batches_tracked': dtype torch.float64 in the tree, torch.int64 in "
+        "the module; an integer counter"
+    ), text
+    assert "strict=False would round it" in text and "strict=False casts" not in text
+    assert "strict=False accepts" not in text and "strict=False assigns" not in text
+    assert_unchanged(net, before)
+
+    model_ = net  # the fix's words, where the user's model is called model
+    fixed = ms.tree.combine(ms.tree.partition(ms.extract(model_), ms.tree.is_float)[1], tree)
+    if function == "inject":
+        with ms.inject(net, fixed):
+            assert torch.equal(net(x), ms.call(net, fixed, x))
+    else:
+        runs[function](fixed)
+    assert net[2].num_batches_tracked.dtype == torch.int64
+    assert int(net[2].num_batches_tracked) == 7
+    assert torch.equal(ms.call(net, fixed, x), ms.call(net, ms.extract(net), x))
+
+
+def test_other_dtypes_still_name_strict_false():
+    net = model()
+    tree = ms.tree.to(ms.extract(net, copy=True), torch.float64)
+    with pytest.raises(TypeError, match=r"strict=False casts the values to the module's dtypes"):
+        ms.load(net, tree)

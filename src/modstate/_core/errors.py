@@ -96,6 +96,12 @@ class DtypeMismatch(PathTypeError):
     """The tree's tensor at ``path`` has another dtype than the module's."""
 
 
+class FloatedCounter(DtypeMismatch):
+    """The tree has a floating-point tensor where the module has an integer (or bool) one,
+    BatchNorm's ``num_batches_tracked`` after an op on every leaf: ``strict=False`` would round
+    it or float the module's counter, so the fix is the module's own integer leaves instead."""
+
+
 class UnknownPath(PathKeyError):
     """The tree gives a path at which the module holds no parameter or buffer."""
 
@@ -148,11 +154,21 @@ def shape_mismatch(path: str, leaf: Tensor, current: Tensor, others: int = 0) ->
 
 
 def dtype_mismatch(path: str, leaf: Tensor, current: Tensor) -> DtypeMismatch:
-    return DtypeMismatch(
-        path,
-        f"dtype {leaf.dtype} in the tree, {current.dtype} in the module",
-        "strict=False accepts other dtypes",
-    )
+    found = f"dtype {leaf.dtype} in the tree, {current.dtype} in the module"
+    counter = not (current.is_floating_point() or current.is_complex())
+    if counter and (leaf.is_floating_point() or leaf.is_complex()):
+        return FloatedCounter(path, found, _FLOATED_COUNTER_FIX)
+    return DtypeMismatch(path, found, "strict=False accepts other dtypes")
+
+
+# strict=False is not offered here: it would cast 2.5 to 2 (load) or give the module a float
+# counter (call / inject). combine keeps the first tree's leaf where two trees have one.
+_FLOATED_COUNTER_FIX = (
+    "an integer counter (BatchNorm's num_batches_tracked) was made floating-point by an op on "
+    "every leaf, and strict=False would round it; keep the module's own integer leaves: tree = "
+    "ms.tree.combine(ms.tree.partition(ms.extract(model), ms.tree.is_float)[1], tree), and apply "
+    "such ops to the floating-point leaves only (ms.tree.partition, then ms.tree.combine)"
+)
 
 
 def meta_leaf(path: str, current: Tensor) -> MetaLeaf:

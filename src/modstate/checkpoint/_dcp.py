@@ -142,9 +142,18 @@ def check_compatible(
                 f"{tuple(leaf.shape)} in like"
             )
         elif strict and entry.properties.dtype != leaf.dtype:
+            saved_dtype = entry.properties.dtype
+            # Casting a floating-point value into an integer counter rounds it: not a fix.
+            rounds = not (leaf.is_floating_point() or leaf.is_complex()) and (
+                saved_dtype.is_floating_point or saved_dtype.is_complex
+            )
+            fix = (
+                f"as_saved=[{path!r}] reads it as saved, a cast would round it"
+                if rounds
+                else "strict=False casts"
+            )
             problems.append(
-                f"{path!r} has dtype {entry.properties.dtype} in the checkpoint, "
-                f"{leaf.dtype} in like (strict=False casts)"
+                f"{path!r} has dtype {saved_dtype} in the checkpoint, {leaf.dtype} in like ({fix})"
             )
     if strict:
         unlisted = [

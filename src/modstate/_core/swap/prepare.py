@@ -401,7 +401,4 @@ def _judge(anatomy: Anatomy, plan: LoadPlan, strict: bool, check_dtypes: bool) -
     if check_dtypes:
         for a in plan.assignments:
             if not is_lazy(a.current) and not is_lazy(a.value) and a.value.dtype != a.current.dtype:
-                raise TypeError(
-                    f"{a.key!r}: dtype {a.value.dtype} in the tree, {a.current.dtype} in the module "
-                    "(strict=False accepts other dtypes)"
-                )
+                raise dtype_mismatch(a.key, a.value, a.current)
