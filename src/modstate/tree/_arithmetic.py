@@ -250,22 +250,30 @@ def _binary_fast(
     checked: Callable[[Tensor, Any], Tensor],
     foreach_kernel: Callable[..., Sequence[Tensor]] | None,
 ) -> dict:
-    # Floating-point leaves need no check (the usual tree of parameters): one scan, then the
-    # plain op at each leaf.
+    # Floating-point leaves need no check (all of a tree of parameters, all but BatchNorm's
+    # counters of a model's tree): the plain op there, the check at the other leaves only.
     floats = all(leaf.is_floating_point() for leaf in flat.leaves)
-    if not floats:
-        leaf_op = checked
     if operand_is_tree:
         other_flat = dict_leaves(other) if type(other) is dict else None
         if other_flat is None or other_flat.skeleton != flat.skeleton:
             raise Decline  # the walk matches keys in any order and names a mismatch
-        out = [
-            leaf_op(leaf, match) for leaf, match in zip(flat.leaves, other_flat.leaves, strict=True)
-        ]
+        pairs = zip(flat.leaves, other_flat.leaves, strict=True)
+        if floats:
+            out = [leaf_op(leaf, match) for leaf, match in pairs]
+        else:
+            out = [
+                leaf_op(leaf, match) if leaf.is_floating_point() else checked(leaf, match)
+                for leaf, match in pairs
+            ]
     elif foreach_kernel is not None and _one_foreach_call(flat, other, floats):
         out = list(foreach_kernel(flat.leaves, other))  # a tuple: retie writes into it
-    else:
+    elif floats:
         out = [leaf_op(leaf, other) for leaf in flat.leaves]
+    else:
+        out = [
+            leaf_op(leaf, other) if leaf.is_floating_point() else checked(leaf, other)
+            for leaf in flat.leaves
+        ]
     return refill_tied(flat, out)
 
 
