@@ -13,6 +13,13 @@ what its first call's measuring cost. Run::
 
     python benchmarks/ensemble_routes_benchmarks_test.py            # the matrix (minutes)
     python benchmarks/ensemble_routes_benchmarks_test.py --only resnet18 --batches 16
+    python benchmarks/ensemble_routes_benchmarks_test.py --only resnet18 --shapes 32x32 --modes train
+
+On Linux, glibc serves each allocation of 32 MiB or more with fresh pages from the kernel; the
+stacked gradients and activations of an ensemble cross that size where a member's do not, and
+page-fault again at every step. Run the same command under
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736`` (glibc then reuses its heap) to see
+that cost: the ratios are within one process, so the two runs compare.
 
 Under pytest the smoke test checks one small cell's routes against the loop (no timing).
 """
@@ -180,6 +187,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", nargs="*", type=int, default=[8, 16, 64])
+    parser.add_argument("--shapes", nargs="*", help="only these inputs (for example 32x32)")
+    parser.add_argument("--modes", nargs="*", default=["fwd", "train"], choices=["fwd", "train"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -192,8 +201,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for model in args.only:
         for shape in MODELS[model][1]:
+            if args.shapes and shape not in args.shapes:
+                continue
             for batch in args.batches:
-                for train in (False, True):
+                for train in [mode == "train" for mode in args.modes]:
                     row = cell(model, shape, batch, train, args.rounds)
                     print(
                         f"| {row['model']} | {row['input']} | {row['batch']} | {row['mode']} | "
