@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from modstate._core.torch_facts import differentiable_dtype
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -155,8 +157,7 @@ def shape_mismatch(path: str, leaf: Tensor, current: Tensor, others: int = 0) ->
 
 def dtype_mismatch(path: str, leaf: Tensor, current: Tensor) -> DtypeMismatch:
     found = f"dtype {leaf.dtype} in the tree, {current.dtype} in the module"
-    counter = not (current.is_floating_point() or current.is_complex())
-    if counter and (leaf.is_floating_point() or leaf.is_complex()):
+    if differentiable_dtype(leaf.dtype) and not differentiable_dtype(current.dtype):
         return FloatedCounter(path, found, _FLOATED_COUNTER_FIX)
     return DtypeMismatch(path, found, "strict=False accepts other dtypes")
 

@@ -21,13 +21,14 @@ DIFFERENTIABLE_DTYPES = frozenset(
 )
 
 
+def differentiable_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is floating point or complex, every such dtype (float8 included)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def is_trainable(leaf: object) -> bool:
     """A tensor that requires grad and is floating point or complex: what ``split`` trains."""
-    return (
-        isinstance(leaf, Tensor)
-        and leaf.requires_grad
-        and (leaf.is_floating_point() or leaf.is_complex())
-    )
+    return isinstance(leaf, Tensor) and leaf.requires_grad and differentiable_dtype(leaf.dtype)
 
 
 def version(tensor: Tensor) -> int:

@@ -111,13 +111,10 @@ def grad_levels() -> int:
 def grad_wrapped(tensor: Tensor) -> tuple[Tensor, list[int]] | None:
     """``(inner, levels)``: the tensor inside the ``torch.func.grad`` wrappers around ``tensor``
     and their levels, outermost first; None when a ``vmap`` wrapper is among them."""
-    levels = []
-    while is_functorch_wrapped_tensor(tensor):
-        if is_batchedtensor(tensor):
-            return None
-        levels.append(maybe_get_level(tensor))
-        tensor = get_unwrapped(tensor)
-    return tensor, levels
+    *wrappers, inner = wrapper_chain(tensor)
+    if any(is_batchedtensor(wrapper) for wrapper in wrappers):
+        return None
+    return inner, [maybe_get_level(wrapper) for wrapper in wrappers]
 
 
 def wrap_for_grad(tensor: Tensor, levels: list[int]) -> Tensor:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from modstate._core.torch_facts import is_dtensor
+from modstate._core.torch_facts import differentiable_dtype, is_dtensor
 from modstate.checkpoint._commit import why_absent
 from modstate.checkpoint._dcp_reader import check_value
 
@@ -144,9 +144,7 @@ def check_compatible(
         elif strict and entry.properties.dtype != leaf.dtype:
             saved_dtype = entry.properties.dtype
             # Casting a floating-point value into an integer counter rounds it: not a fix.
-            rounds = not (leaf.is_floating_point() or leaf.is_complex()) and (
-                saved_dtype.is_floating_point or saved_dtype.is_complex
-            )
+            rounds = differentiable_dtype(saved_dtype) and not differentiable_dtype(leaf.dtype)
             fix = (
                 f"as_saved=[{path!r}] reads it as saved, a cast would round it"
                 if rounds
