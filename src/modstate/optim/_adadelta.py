@@ -28,17 +28,17 @@ class Adadelta(ElementwiseOptimizer):
     The state is ``{"step", "square_avg", "acc_delta"}``.
 
     Attributes:
-        lr: the learning rate: a number, a 0-dim tensor or a schedule.
+        lr: the scale of the update: a number, a 0-dim tensor or a schedule.
         rho: the decay rate of the running averages.
-        eps: the term added to the denominator.
+        eps: the term added inside both square roots.
         weight_decay: the weight decay factor.
         maximize: whether the objective is ascended.
         foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.adadelta(lr=0.1) == Adadelta(lr=0.1)
-        True
+        >>> Adadelta().lr  # a scale of the update, so 1.0 by default, as in torch.optim
+        1.0
     """
 
     name = "adadelta"
@@ -62,18 +62,16 @@ class Adadelta(ElementwiseOptimizer):
 
     def _update(self, run: Run) -> dict[str, Tensor]:
         h, ops, own = run.hyper, run.ops, run.own_buffers
-        rho, eps = h["rho"], h["eps"]
+        lr, rho, eps = h["lr"], h["rho"], h["eps"]
         run.begin(self.maximize)
         g = run.g
-        square_avg = ops.mul(run.buffers["square_avg"], rho, own=own)
-        square_avg = ops.addcmul(square_avg, g, g, 1 - rho, own=True)
+        square_avg = ops.square_average(run.buffers["square_avg"], g, rho, own=own)
         std = ops.sqrt(ops.add_scalar(square_avg, eps), own=True)
         delta = ops.sqrt(ops.add_scalar(run.buffers["acc_delta"], eps), own=True)
         delta = ops.mul_each(ops.div_each(delta, std, own=True), g, own=True)
-        acc_delta = ops.mul(run.buffers["acc_delta"], rho, own=own)
-        acc_delta = ops.addcmul(acc_delta, delta, delta, 1 - rho, own=True)
+        acc_delta = ops.square_average(run.buffers["acc_delta"], delta, rho, own=own)
         run.buffers["square_avg"], run.buffers["acc_delta"] = square_avg, acc_delta
-        run.p = ops.add(run.p, delta, -h["lr"], own=run.own_p, into=std)
+        run.p = ops.add(run.p, delta, -lr, own=run.own_p, into=std)
         return {}
 
 
@@ -94,15 +92,13 @@ def adadelta(
         eps: added inside the square roots for numerical stability.
         weight_decay: L2 penalty, added to the gradient.
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
 
     Returns:
-        An `Adadelta` optimizer (an `Optimizer`).
+        An `Adadelta`, whose state holds ``square_avg`` and ``acc_delta``.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, eps or weight_decay below 0, or rho outside [0, 1].
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -112,6 +108,4 @@ def adadelta(
         >>> params["w"]  # -sqrt(eps) / sqrt(0.1 + eps)
         tensor([-0.0032])
     """
-    return Adadelta(
-        lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach
-    )
+    return Adadelta(**locals())  # the arguments are the fields, by name

@@ -37,7 +37,7 @@ class Adagrad(ElementwiseOptimizer):
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.adagrad(lr=0.1) == Adagrad(lr=0.1)
+        >>> Adagrad(lr=0.1, lr_decay=0.5) == modstate.optim.adagrad(0.1, 0.5)  # torch's order
         True
     """
 
@@ -119,16 +119,15 @@ def adagrad(
         initial_accumulator_value: the starting value of the sum of squared gradients.
         eps: added to the denominator for numerical stability.
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
-        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
+        fused: torch.optim's flag: True runs its fused kernel, the fastest on the CPU.
 
     Returns:
-        An `Adagrad` optimizer (an `Optimizer`).
+        An `Adagrad`, whose state holds the running ``sum`` of squared gradients.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, lr_decay, weight_decay, initial_accumulator_value or eps below
+            0, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -138,13 +137,4 @@ def adagrad(
         >>> params["w"]
         tensor([-0.5000,  0.5000])
     """
-    return Adagrad(
-        lr=lr,
-        lr_decay=lr_decay,
-        weight_decay=weight_decay,
-        initial_accumulator_value=initial_accumulator_value,
-        eps=eps,
-        maximize=maximize,
-        foreach=foreach,
-        fused=fused,
-    )
+    return Adagrad(**locals())  # the arguments are the fields, by name

@@ -41,7 +41,7 @@ class Adam(AdamLike):
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.adam(lr=0.1) == Adam(lr=0.1)
+        >>> modstate.optim.adamw() == Adam(weight_decay=1e-2, decoupled_weight_decay=True)
         True
     """
 
@@ -64,9 +64,7 @@ class Adam(AdamLike):
         run.begin(self.maximize, decoupled_weight_decay=self.decoupled_weight_decay)
         g, own = run.g, run.own_buffers
         m = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
-        v = ops.addcmul(
-            ops.mul(run.buffers["exp_avg_sq"], beta2, own=own), g, g, 1 - beta2, own=True
-        )
+        v = ops.square_average(run.buffers["exp_avg_sq"], g, beta2, own=own)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = m, v
         if self.amsgrad:
             v = ops.maximum(run.buffers["max_exp_avg_sq"], v, own=own)
@@ -115,17 +113,17 @@ def adam(
             `decoupled_weight_decay`).
         amsgrad: keep the maximum of the second moment estimates (AMSGrad).
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
-        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
+        fused: torch.optim's flag: True runs its fused kernel, the fastest on the CPU.
         decoupled_weight_decay: decay the weights directly (AdamW) instead of an L2 penalty.
 
     Returns:
-        An `Adam` optimizer (an `Optimizer`).
+        An `Adam`, whose state holds ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``
+            with `amsgrad`).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, eps or weight_decay below 0, a beta outside [0, 1), or both
+            flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -135,17 +133,7 @@ def adam(
         >>> params["w"]
         tensor([-0.1000,  0.1000])
     """
-    return Adam(
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=decoupled_weight_decay,
-        foreach=foreach,
-        fused=fused,
-    )
+    return Adam(**locals())  # the arguments are the fields, by name
 
 
 def adamw(
@@ -168,16 +156,15 @@ def adamw(
         weight_decay: decoupled weight decay: ``p = p * (1 - lr * weight_decay)`` each step.
         amsgrad: keep the maximum of the second moment estimates (AMSGrad).
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
-        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
+        fused: torch.optim's flag: True runs its fused kernel, the fastest on the CPU.
 
     Returns:
-        An `Adam` optimizer with ``decoupled_weight_decay=True`` (an `Optimizer`).
+        An `Adam` with ``decoupled_weight_decay=True``: `adam`'s optimizer, AdamW's decay.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, eps or weight_decay below 0, a beta outside [0, 1), or both
+            flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -187,14 +174,5 @@ def adamw(
         >>> params["w"]  # 1 * (1 - 0.1 * 0.5) - 0.1
         tensor([0.8500])
     """
-    return Adam(
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled_weight_decay=True,
-        foreach=foreach,
-        fused=fused,
-    )
+    # The arguments are the fields, by name; AdamW is Adam with the decay decoupled.
+    return Adam(decoupled_weight_decay=True, **locals())

@@ -27,16 +27,16 @@ class Adamax(AdamLike):
 
     Attributes:
         lr: the learning rate: a number, a 0-dim tensor or a schedule.
-        betas: ``(beta1, beta2)``, the decay rates of the moment estimates.
-        eps: the term added to the denominator.
+        betas: ``(beta1, beta2)``: the decay rates of the first moment and of the infinity norm.
+        eps: the term added to ``|g|`` in the infinity norm.
         weight_decay: the weight decay factor.
         maximize: whether the objective is ascended.
         foreach: torch.optim's multi-tensor path (True), single-tensor one (False), default (None).
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.adamax(lr=0.1) == Adamax(lr=0.1)
-        True
+        >>> Adamax(betas=(0.9, 0.99)).buffer_names
+        ('exp_avg', 'exp_inf')
     """
 
     name = "adamax"
@@ -79,15 +79,14 @@ def adamax(
         eps: added to the denominator for numerical stability.
         weight_decay: L2 penalty, added to the gradient.
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
 
     Returns:
-        An `Adamax` optimizer (an `Optimizer`).
+        An `Adamax`, whose state holds ``exp_avg`` and the infinity norm ``exp_inf``.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, eps or weight_decay below 0 or a beta outside [0, 1) (Adamax's
+            second beta decays the infinity norm).
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -97,6 +96,4 @@ def adamax(
         >>> params["w"]
         tensor([-0.1000,  0.1000])
     """
-    return Adamax(
-        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach
-    )
+    return Adamax(**locals())  # the arguments are the fields, by name

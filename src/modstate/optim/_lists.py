@@ -250,6 +250,12 @@ class LeafOps:
             ]
         return [torch.addcmul(x, y, z, value=value) for x, y, z in zip(xs, ys, zs, strict=True)]
 
+    def square_average(self, avg: Leaves, xs: Leaves, decay: Scalar, *, own: bool) -> Leaves:
+        """``decay * avg + (1 - decay) * x * x``, as torch.optim computes every running average
+        of squares (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, ...): a ``mul`` by `decay`,
+        then an ``addcmul``, so the rounding is torch's."""
+        return self.addcmul(self.mul(avg, decay, own=own), xs, xs, 1 - decay, own=True)
+
     def addcdiv(
         self,
         xs: Leaves,

@@ -17,11 +17,10 @@ from modstate.optim._tree import read_number
 class NAdam(AdamLike):
     """Pure NAdam (Adam with Nesterov momentum); build it with `modstate.optim.nadam`.
 
-    For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), in
-    `torch.optim.NAdam`'s order::
+    For each leaf with a gradient ``g`` (``-g`` if `maximize`), at step ``t`` (from 1), after
+    the weight decay (``p = p * (1 - lr * weight_decay)`` with `decoupled_weight_decay`, else
+    ``g = g + weight_decay * p``), in `torch.optim.NAdam`'s order::
 
-        p = p * (1 - lr * weight_decay)   if decoupled_weight_decay
-        g = g + weight_decay * p          otherwise
         mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay));  P = P * mu_t
         m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
         d = sqrt(v / (1 - beta2**t)) + eps
@@ -42,8 +41,8 @@ class NAdam(AdamLike):
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.nadam(lr=0.1) == NAdam(lr=0.1)
-        True
+        >>> NAdam(lr=0.1).momentum_decay  # torch.optim.NAdam's default
+        0.004
     """
 
     name = "nadam"
@@ -90,8 +89,7 @@ class NAdam(AdamLike):
         mu_product = self._mu_product(run, mu)
         g = run.g
         exp_avg = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
-        exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
-        exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
+        exp_avg_sq = ops.square_average(run.buffers["exp_avg_sq"], g, beta2, own=own)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
         if run.multi_tensor:  # torch.optim's multi-tensor order: sqrt(v) / sqrt(1 - beta2**t)
             denom = ops.div(ops.sqrt(exp_avg_sq), bias_correction2**0.5, own=True)
@@ -128,22 +126,22 @@ def nadam(
 
     Args:
         lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
-        betas: the decay rates ``(beta1, beta2)`` of the first and second moment estimates.
+        betas: ``(beta1, beta2)``: beta1 decays the momentum, on the schedule that
+            `momentum_decay` sets; beta2 decays the second moment estimate.
         eps: added to the denominator for numerical stability.
         weight_decay: L2 penalty added to the gradient (decoupled with
             `decoupled_weight_decay`).
         momentum_decay: the momentum schedule's decay.
         decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
 
     Returns:
-        An `NAdam` optimizer (an `Optimizer`).
+        An `NAdam`, whose state holds the momentum product ``mu_product`` and both moments.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, eps, weight_decay or momentum_decay below 0, or a beta outside
+            [0, 1).
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -153,13 +151,4 @@ def nadam(
         >>> params["w"]
         tensor([-0.1056])
     """
-    return NAdam(
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        momentum_decay=momentum_decay,
-        decoupled_weight_decay=decoupled_weight_decay,
-        maximize=maximize,
-        foreach=foreach,
-    )
+    return NAdam(**locals())  # the arguments are the fields, by name

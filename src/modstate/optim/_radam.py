@@ -40,8 +40,8 @@ class RAdam(AdamLike):
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.radam(lr=0.1) == RAdam(lr=0.1)
-        True
+        >>> RAdam().buffer_names  # Adam's moments: the rectification needs no state
+        ('exp_avg', 'exp_avg_sq')
     """
 
     name = "radam"
@@ -60,8 +60,7 @@ class RAdam(AdamLike):
         run.begin(self.maximize, decoupled_weight_decay=self.decoupled_weight_decay)
         g = run.g
         exp_avg = ops.lerp(run.buffers["exp_avg"], g, 1 - beta1, own=own)
-        exp_avg_sq = ops.mul(run.buffers["exp_avg_sq"], beta2, own=own)
-        exp_avg_sq = ops.addcmul(exp_avg_sq, g, g, 1 - beta2, own=True)
+        exp_avg_sq = ops.square_average(run.buffers["exp_avg_sq"], g, beta2, own=own)
         run.buffers["exp_avg"], run.buffers["exp_avg_sq"] = exp_avg, exp_avg_sq
         if run.multi_tensor:
             run.p = self._multi_tensor_update(run, exp_avg, exp_avg_sq)
@@ -129,21 +128,20 @@ def radam(
 
     Args:
         lr: learning rate: a number, a 0-dim tensor, or a schedule (`modstate.optim.schedules`).
-        betas: the decay rates ``(beta1, beta2)`` of the first and second moment estimates.
+        betas: the decay rates ``(beta1, beta2)`` of the moment estimates; beta2 also sets
+            when the variance rectification starts (``rho_t > 5``).
         eps: added to the denominator for numerical stability.
         weight_decay: L2 penalty added to the gradient (decoupled with
             `decoupled_weight_decay`).
         decoupled_weight_decay: decay the weights directly (as AdamW) instead of an L2 penalty.
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
 
     Returns:
-        An `RAdam` optimizer (an `Optimizer`).
+        An `RAdam`, whose state holds ``exp_avg`` and ``exp_avg_sq``, as Adam's.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, eps or weight_decay below 0 or a beta outside [0, 1).
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -153,12 +151,4 @@ def radam(
         >>> params["w"]  # the first steps are momentum SGD (rho_t <= 5)
         tensor([-0.1000])
     """
-    return RAdam(
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        decoupled_weight_decay=decoupled_weight_decay,
-        maximize=maximize,
-        foreach=foreach,
-    )
+    return RAdam(**locals())  # the arguments are the fields, by name

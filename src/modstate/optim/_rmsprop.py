@@ -40,8 +40,8 @@ class RMSprop(ElementwiseOptimizer):
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.rmsprop(lr=0.1) == RMSprop(lr=0.1)
-        True
+        >>> RMSprop(momentum=0.9, centered=True).buffer_names
+        ('square_avg', 'momentum_buffer', 'grad_avg')
     """
 
     name = "rmsprop"
@@ -76,8 +76,7 @@ class RMSprop(ElementwiseOptimizer):
         alpha, eps = h["alpha"], h["eps"]
         run.begin(self.maximize)
         g = run.g
-        square_avg = ops.mul(run.buffers["square_avg"], alpha, own=own)
-        square_avg = ops.addcmul(square_avg, g, g, 1 - alpha, own=True)
+        square_avg = ops.square_average(run.buffers["square_avg"], g, alpha, own=own)
         run.buffers["square_avg"] = square_avg
         if self.centered:
             grad_avg = ops.lerp(run.buffers["grad_avg"], g, 1 - alpha, own=own)
@@ -117,15 +116,14 @@ def rmsprop(
         momentum: momentum factor; with the number 0 the state keeps no momentum buffer.
         centered: normalize by an estimate of the gradient's variance.
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
 
     Returns:
-        An `RMSprop` optimizer (an `Optimizer`).
+        An `RMSprop`, whose state holds ``square_avg`` (and ``momentum_buffer``,
+            ``grad_avg`` when they are asked for).
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True.
+        ValueError: lr, alpha, eps, weight_decay or momentum below 0.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -135,13 +133,4 @@ def rmsprop(
         >>> params["w"]  # -0.01 * g / sqrt(0.01 * g * g)
         tensor([-0.1000,  0.1000])
     """
-    return RMSprop(
-        lr=lr,
-        alpha=alpha,
-        eps=eps,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        centered=centered,
-        maximize=maximize,
-        foreach=foreach,
-    )
+    return RMSprop(**locals())  # the arguments are the fields, by name

@@ -39,8 +39,8 @@ class SGD(ElementwiseOptimizer):
         fused: whether torch's fused kernel runs the step.
 
     Example:
-        >>> modstate.optim.sgd(lr=0.1, momentum=0.9) == SGD(lr=0.1, momentum=0.9)
-        True
+        >>> SGD(lr=0.1).buffer_names  # momentum is the number 0: no momentum buffer
+        ()
     """
 
     name = "sgd"
@@ -125,16 +125,15 @@ def sgd(
         weight_decay: L2 penalty, added to the gradient.
         nesterov: Nesterov momentum (needs a momentum and zero dampening).
         maximize: ascend the objective instead of descending it.
-        foreach: as torch.optim's: True for its multi-tensor path, False for its
-            single-tensor one, None for its default on the device ("Kernels" in
-            `modstate.optim`).
-        fused: as torch.optim's: True for its fused kernel, the fastest on the CPU.
+        foreach: torch.optim's flag: True, False or None ("Kernels" in `modstate.optim`).
+        fused: torch.optim's flag: True runs its fused kernel, the fastest on the CPU.
 
     Returns:
-        An `SGD` optimizer (an `Optimizer`).
+        An `SGD`, whose state holds a ``momentum_buffer`` unless `momentum` is the number 0.
 
     Raises:
-        ValueError: a hyperparameter out of torch.optim's range, or both flags True, or Nesterov without momentum.
+        ValueError: lr, momentum or weight_decay below 0, `nesterov` without a momentum
+            or with dampening, or both flags True.
         TypeError: a hyperparameter that is neither a number nor a 0-dim tensor.
 
     Example:
@@ -145,13 +144,4 @@ def sgd(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
-    return SGD(
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-        foreach=foreach,
-        fused=fused,
-    )
+    return SGD(**locals())  # the arguments are the fields, by name

@@ -48,15 +48,13 @@ def exclude(tree: Any, *patterns: str) -> Any:
     The complement of [`select`][modstate.tree.select], with the same pattern and pruning rules.
 
     Args:
-        tree: Any pytree.
-        *patterns: Glob patterns on dotted leaf paths (``*`` crosses dots); no pattern drops
-            nothing.
+        tree: The pytree to drop leaves from.
+        *patterns: The paths to drop, read as `select` reads them (``*`` crosses dots); with
+            none, nothing is dropped.
 
     Returns:
-        A new tree holding the other leaves (the input's own objects) in new containers.
-
-    Raises:
-        TypeError: A pattern is not a string.
+        ``tree`` without the matched leaves: its other leaves (the input's own objects), in
+        new containers. A pattern that is not a string raises `TypeError`.
 
     Example:
         >>> tree = {"encoder": {"w": torch.ones(1), "b": torch.ones(1)}, "head": {"w": torch.ones(1)}}
