@@ -63,13 +63,17 @@ def _integers_kept(
             op, other_argument if alpha is None else f"{other_argument}, alpha=alpha"
         )
 
+    fractional_alpha = _is_fractional(alpha)  # once: an ABC check costs a microsecond a leaf
+
     def checked(leaf: Tensor, other: Any) -> Tensor:
         if isinstance(leaf, Tensor) and not is_float(leaf):
-            if _is_fractional(alpha):
+            if fractional_alpha:
                 raise _floated(
                     leaf, f"{op} with a fractional alpha ({alpha})", "floating-point", fix()
                 )
-            if isinstance(other, (Tensor, int, float, complex)):
+            if isinstance(other, Tensor) and other.dtype == leaf.dtype:
+                pass  # a counter plus a counter: nothing to promote
+            elif isinstance(other, (Tensor, int, float, complex)):
                 result = torch.result_type(leaf, other)
                 if result.is_floating_point or result.is_complex:
                     raise _floated(leaf, op, str(result), fix())

@@ -77,18 +77,25 @@ def retie(out: list[Any], pairs: list[tuple[int, int]]) -> None:
 
 def keeping_ties(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` for a leaf-by-leaf walk, computed once per distinct tensor (first place decides)."""
-    done: dict[int, tuple[Tensor, Any]] = {}
-    traced: list[tuple[Tensor, Any]] = []  # the same, while torch.compile traces (no id())
+    # asked once per walk, not per leaf: a walk is traced whole or not at all
+    if torch.compiler.is_compiling():
+        traced: list[tuple[Tensor, Any]] = []  # the same, while torch.compile traces (no id())
 
-    def run(leaf: Any, *others: Any) -> Any:
-        if not isinstance(leaf, Tensor):
-            return fn(leaf, *others)
-        if torch.compiler.is_compiling():
+        def run_traced(leaf: Any, *others: Any) -> Any:
+            if not isinstance(leaf, Tensor):
+                return fn(leaf, *others)
             for seen, result in traced:
                 if seen is leaf:
                     return result
             traced.append((leaf, fn(leaf, *others)))
             return traced[-1][1]
+
+        return run_traced
+    done: dict[int, tuple[Tensor, Any]] = {}
+
+    def run(leaf: Any, *others: Any) -> Any:
+        if not isinstance(leaf, Tensor):
+            return fn(leaf, *others)
         hit = done.get(id(leaf))
         if hit is not None:
             return hit[1]
