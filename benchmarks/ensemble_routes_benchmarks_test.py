@@ -112,6 +112,14 @@ def members(factory: Callable[[], nn.Module]) -> list[nn.Module]:
     return models
 
 
+def draws(model: nn.Module) -> bool:
+    """Whether ``model`` draws random numbers in training (a dropout with ``p > 0``)."""
+    return any(
+        isinstance(layer, nn.modules.dropout._DropoutNd) and layer.p > 0
+        for layer in model.modules()
+    )
+
+
 def steps(
     models: list[nn.Module], inputs: tuple, train: bool
 ) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble]:
@@ -119,8 +127,9 @@ def steps(
     for model in models:
         model.train(train)
     # a member that draws random numbers in training (GPT-2's dropout) needs a draw per member;
-    # auto then runs batched unmeasured (a loop would draw other masks)
-    randomness = "different" if train else "error"
+    # auto then runs batched unmeasured (a loop would draw other masks); the others keep vmap's
+    # default, and auto measures
+    randomness = "different" if train and draws(models[0]) else "error"
     auto = ms.Ensemble(copy.deepcopy(models), randomness=randomness).train(train)
     batched = ms.Ensemble(copy.deepcopy(models), route="batched", randomness=randomness)
     batched.train(train)

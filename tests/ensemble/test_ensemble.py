@@ -222,6 +222,7 @@ def test_help_shows_the_real_signature_and_documented_options():
     signature = inspect.signature(ms.Ensemble)
     assert list(signature.parameters) == [
         "modules", "compile", "in_dims", "randomness", "fast", "mesh", "kernels", "route",
+        "measure",
     ]  # fmt: skip
     assert signature.parameters["mesh"].default is None
     factory_signature = inspect.signature(ms.Ensemble.from_factory)
@@ -238,6 +239,7 @@ def test_help_shows_the_real_signature_and_documented_options():
         "mesh:",
         "kernels:",
         "route:",
+        "measure:",
     ):
         assert option in doc
     assert "BatchNorm1d/2d/3d" in doc and "_sharded" not in doc

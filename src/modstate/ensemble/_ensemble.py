@@ -18,6 +18,7 @@ from ._choice import ForwardChoice, loop_forward, member_trees
 from ._declared import check_declared_layers
 from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
+from ._kernels.forms import LayerForms
 from ._options import checked_options, on_ranks
 from ._plan import Plan
 from ._runner import ThreadRunners, VmapRunner
@@ -90,10 +91,18 @@ class Ensemble(nn.Module):
             stacked tensors), and keeps the faster for those inputs (the first 8 signatures;
             later new ones take the route chosen most, unmeasured); ``"batched"`` or
             ``"loop"`` pin one. The choices and their times are in ``plan``. Measuring (4 to 12
-            runs of each route, forward and backward, once per input signature) changes no tensor and
-            no random state; it is skipped (batched) while compiling, under ``torch.func``,
-            with ``compile=True`` or ``fast=False``, in training mode with a ``randomness``
-            other than ``"error"``, and on a mesh's ranks.
+            runs of each route, forward and backward, once per input signature) changes no
+            tensor and no random state; it is skipped (batched) while compiling, under
+            ``torch.func``, with ``compile=True`` or ``fast=False``, in training mode with a
+            ``randomness`` other than ``"error"``, and on a mesh's ranks.
+        measure: True (default) lets the ensemble time what it chooses between: the route
+            (with ``route="auto"``) and, on the batched route, a layer's batched forms where it
+            has two (a CPU convolution with output maps of at most 4x4 runs as a grouped
+            convolution or a batched matmul; each is timed forward and backward at the layer's
+            first input of each signature, and the faster kept). False measures nothing: the
+            route is ``"batched"`` unless pinned, and the forms follow the documented cost
+            model (output-map sizes, see ``docs/semantics.md``). The forms chosen and their
+            times are in ``plan``.
 
     Raises:
         TypeError: an entry of ``modules`` is not an ``nn.Module``, a submodule's type differs,
@@ -137,9 +146,12 @@ class Ensemble(nn.Module):
         mesh: Any = None,
         kernels: Mapping[type, type[nn.Module]] | None = None,
         route: str = "auto",
+        measure: bool = True,
     ) -> None:
         super().__init__()
-        options = checked_options("Ensemble", compile, in_dims, randomness, fast, route, kernels)
+        options = checked_options(
+            "Ensemble", compile, in_dims, randomness, fast, route, kernels, measure
+        )
         modules = list(modules)
         if not modules:
             raise ValueError("Ensemble: no models; give at least one")
@@ -166,6 +178,7 @@ class Ensemble(nn.Module):
         seeds: Sequence[int] | None = None,
         kernels: Mapping[type, type[nn.Module]] | None = None,
         route: str = "auto",
+        measure: bool = True,
     ) -> Ensemble:
         """An ensemble of ``n`` models built by ``factory()``, each initialized independently.
 
@@ -197,6 +210,7 @@ class Ensemble(nn.Module):
                 random state.
             kernels: see [`Ensemble`][modstate.Ensemble].
             route: see [`Ensemble`][modstate.Ensemble].
+            measure: see [`Ensemble`][modstate.Ensemble].
 
         Returns:
             The ensemble.
@@ -222,7 +236,9 @@ class Ensemble(nn.Module):
             True
         """
         caller = "Ensemble.from_factory"
-        options = checked_options(caller, compile, in_dims, randomness, fast, route, kernels)
+        options = checked_options(
+            caller, compile, in_dims, randomness, fast, route, kernels, measure
+        )
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{caller}: n={n!r}; give a positive int, the number of members")
         given = None if seeds is None else checked_seeds(seeds, n, caller)
@@ -264,6 +280,7 @@ class Ensemble(nn.Module):
         self.compiled = options["compile"]
         self.fast = options["fast"]
         self.route = options["route"]
+        self.measure = options["measure"]
         self._kernels = options["kernels"]
         self._shards = None
         self.stacked = nn.Module()
@@ -289,21 +306,23 @@ class Ensemble(nn.Module):
         after a copy or unpickling, since kernels read this ensemble's own tensor tables."""
         template = self._template
         homes = homes_of(template, self.stacked)
-        context = KernelContext(self.count, self._randomness, homes, self._kernels)
+        # compiled or the reference path: the batched forward, unmeasured
+        pinned = self.compiled or not self.fast
+        forms = LayerForms(measure=self.measure and not pinned)
+        context = KernelContext(self.count, self._randomness, homes, self._kernels, forms)
         by_member = self._in_dims in (0, (0,), [0])
         chain = build_chain(template, context) if self.fast else None
         self._chain = chain if self._in_dims is None or by_member else None
         self._runners = ThreadRunners(
             lambda: VmapRunner(
-                template, homes, self.count, self._randomness, self.fast, self._kernels
+                template, homes, self.count, self._randomness, self.fast, self._kernels, forms
             )
         )
         flat = flatten(extract(template))
         self._tree_homes = [homes[id(t)] for t in flat.values()]
         self._layout = Layout(list(flat))
-        # compiled or the reference path: the batched forward, unmeasured
-        pinned = self.compiled or not self.fast
-        self._choice = ForwardChoice("batched" if pinned else self.route, self._randomness)
+        unmeasured = pinned or (self.route == "auto" and not self.measure)
+        self._choice = ForwardChoice("batched" if unmeasured else self.route, self._randomness)
         run: Callable[..., Any] = self._run
         self._forward_impl = torch.compile(run, dynamic=False) if self.compiled else run
 

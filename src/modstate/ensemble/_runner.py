@@ -50,6 +50,7 @@ from modstate._core.trees.flat import flatten
 from ._functorch import VmapSetAside, as_member_view, ensemble_level, members_of, running
 from ._kernels import Home, KernelContext, MultiheadAttentionKernel, folded_attention
 from ._kernels.base import fresh_members_first
+from ._kernels.forms import LayerForms
 from ._kernels.transformer import DecoderLayerKernel, EncoderLayerKernel
 from ._plan import Installed, plan_layers
 from ._stacked_state import sharing_copy
@@ -72,12 +73,14 @@ class VmapRunner:
         randomness: str,
         batched: bool,
         kernels: Mapping[type, type[nn.Module]] | None = None,
+        forms: LayerForms | None = None,
     ) -> None:
         self.count = count
         self.randomness = randomness
         self.module = sharing_copy(template)
-        context = KernelContext(count, randomness, homes, kernels)
+        context = KernelContext(count, randomness, homes, kernels, forms)
         self.routes, installed = plan_layers(self.module, context, batched)
+        self.installed = installed
         for path, what in installed.items():
             layer = self.module.get_submodule(path)
             layer.forward = _forward_of(what, layer, self)  # type: ignore[method-assign]
@@ -148,13 +151,19 @@ class VmapRunner:
             self._watched.add(training)
 
     def notes(self) -> list[str]:
-        """What the plan says about folded attention."""
+        """What the plan says about folded attention, and the forms measured per layer."""
+        notes = [
+            f"layer {path!r}, {choice.line()}"
+            for path, what in self.installed.items()
+            for choice in (what.choices() if hasattr(what, "choices") else [])
+        ]
         if not self.folding.callers:
-            return []
+            return notes
         where = ", ".join(repr(p) if p else "the model" for p in sorted(self.folding.callers))
         return [
             "F.scaled_dot_product_attention runs with the members folded into its batch "
-            f"(called in {where})"
+            f"(called in {where})",
+            *notes,
         ]
 
     def train(self, mode: bool) -> None:

@@ -75,20 +75,21 @@ def test_convolutions_equal_the_members_one_by_one(case, in_dims):
     assert convolutions and all(r.how == "grouped convolution" for r in convolutions)
 
 
-def test_small_output_maps_run_as_a_batched_matmul_and_larger_ones_as_a_grouped_convolution(
+def test_unmeasured_small_output_maps_run_as_a_batched_matmul_and_larger_ones_grouped(
     monkeypatch,
 ):
+    # the cost model: a pinned route measures nothing (assert_like_the_loop pins "batched")
     from modstate.ensemble._kernels import conv
 
     routes = []
-    original = conv.ConvolutionKernel._small_maps_as_matmul
+    original = conv.ConvolutionKernel._form
 
     def spy(self, *args):
-        out = original(self, *args)
-        routes.append("matmul" if out is not None else "grouped")
-        return out
+        form = original(self, *args)
+        routes.append(form)
+        return form
 
-    monkeypatch.setattr(conv.ConvolutionKernel, "_small_maps_as_matmul", spy)
+    monkeypatch.setattr(conv.ConvolutionKernel, "_form", spy)
     conv3x3, conv1x1 = (lambda: nn.Conv2d(4, 6, 3, padding=1)), (lambda: nn.Conv2d(4, 6, 1))
     cases = [  # (layer, batch, side of the maps, route)
         (conv3x3, 20, 2, "matmul"),  # 4 positions: a matmul whatever the batch

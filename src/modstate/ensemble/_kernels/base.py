@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from .forms import LayerForms
+
 
 class Home:
     """Where one stacked tensor lives: ``table[name]``, ``table`` being an owner's
@@ -38,7 +40,8 @@ class KernelContext:
     """What building a kernel needs: the member count, vmap's randomness mode, the home of
     the stacked form of each of the template's tensors (by the template tensor's ``id``), and
     the user's declared kernels (``Ensemble(..., kernels=...)``: a class of theirs mapped to the
-    torch class it computes as)."""
+    torch class it computes as), and the ensemble's measured forms (``forms.py``), which every
+    runner and chain of one ensemble share."""
 
     def __init__(
         self,
@@ -46,11 +49,13 @@ class KernelContext:
         randomness: str,
         homes: dict[int, Home],
         kernels: Mapping[type, type[nn.Module]] | None = None,
+        forms: LayerForms | None = None,
     ) -> None:
         self.count = count
         self.randomness = randomness
         self._homes = homes
         self.kernels: Mapping[type, type[nn.Module]] = kernels or {}
+        self.forms = forms if forms is not None else LayerForms(measure=False)
 
     def home(self, tensor: Tensor | nn.Module | None) -> Home:
         """The home of the stacked form of the template's ``tensor``.

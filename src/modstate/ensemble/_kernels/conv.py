@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import KernelContext, channels_side_by_side, fresh_view
+from .forms import FormChoice, timed_run
 
 _CONVOLUTIONS: dict[type[nn.Module], Callable[..., Tensor]] = {
     nn.Conv1d: F.conv1d,
@@ -70,6 +71,10 @@ class ConvolutionKernel:
         self.convolve = _CONVOLUTIONS[kind]
         self.spatial = len(module.kernel_size)
         self.weight = context.home(module.weight)
+        self.forms = context.forms
+        # the layer, for the forms measured: its stacked weight's Home, the same object in
+        # every runner and chain of the ensemble (each builds kernels of its own)
+        self.weight_home_key = self.weight
         self.bias = context.maybe_home(module.bias)
         self.stride = module.stride
         self.dilation = module.dilation
@@ -115,9 +120,19 @@ class ConvolutionKernel:
         ):
             channels = channels.contiguous()  # see the class docstring: filters outnumber inputs
         if groups == count and self.matmul_ok and channels.is_cpu:
-            out = self._small_maps_as_matmul(channels, weight, bias)
-            if out is not None:
+            out_hw = self._output_maps(channels)
+            if self._form(channels, weight, bias, out_hw) == "matmul":
+                out = self._matmul(channels, weight, bias, out_hw)
                 return (out.squeeze(0), 0) if unbatched else (out, 1)
+        out = self._grouped(channels, weight, bias, groups)
+        if unbatched:
+            return out.squeeze(0), 0
+        return out, 1
+
+    def _grouped(
+        self, channels: Tensor, weight: Tensor, bias: Tensor | None, groups: int
+    ) -> Tensor:
+        """``(batch, members, out channels, ...)`` by one convolution of ``groups`` groups."""
         out = self.convolve(
             channels,
             weight.flatten(0, 1),
@@ -127,23 +142,15 @@ class ConvolutionKernel:
             self.dilation,
             groups,
         )
-        out = fresh_view(out, out.shape[0], count, weight.shape[1], *out.shape[2:])
-        if unbatched:
-            return out.squeeze(0), 0
-        return out, 1
+        return fresh_view(out, out.shape[0], self.count, weight.shape[1], *out.shape[2:])
 
-    def _small_maps_as_matmul(
-        self, channels: Tensor, weight: Tensor, bias: Tensor | None
-    ) -> Tensor | None:
-        """``(batch, members, out channels, h, w)`` by one ``baddbmm`` over the members, from
-        ``channels`` ``(batch, members * in channels, H, W)``; None when the output maps are
-        larger than `MATMUL_POSITIONS` (the grouped convolution is faster there)."""
+    def _output_maps(self, channels: Tensor) -> list[int]:
+        """The output maps' height and width for ``channels`` ``(batch, channels, H, W)``."""
         assert not isinstance(self.padding, str)
-        batch, _, height, width = channels.shape
-        out_hw = [
+        return [
             (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
             for size, pad, dilation, kernel, stride in zip(
-                (height, width),
+                channels.shape[2:],
                 self.padding,
                 self.dilation,
                 self.kernel_size,
@@ -151,15 +158,50 @@ class ConvolutionKernel:
                 strict=True,
             )
         ]
+
+    def _form(
+        self, channels: Tensor, weight: Tensor, bias: Tensor | None, out_hw: list[int]
+    ) -> str:
+        """``"matmul"`` or ``"grouped"`` for a CPU ``Conv2d`` of ``groups=1``: measured
+        (``forms.py``) where both may win, else the cost model (`cost_model_form`)."""
         positions = out_hw[0] * out_hw[1]
-        if self.pointwise:
-            limit = POINTWISE_MATMUL_POSITIONS
-        elif batch * positions <= MATMUL_COLUMNS:
-            limit = MATMUL_SMALL_BATCH_POSITIONS
-        else:
-            limit = MATMUL_POSITIONS
-        if positions <= 0 or positions > limit:
-            return None
+        model = cost_model_form(self.pointwise, channels.shape[0], positions)
+        if not 0 < positions <= MEASURED_POSITIONS or not self.forms.may_measure(channels, weight):
+            return model
+        records = torch.is_grad_enabled() and (channels.requires_grad or weight.requires_grad)
+        signature = (channels.shape, channels.stride(), channels.dtype, records)
+        groups = self.groups * self.count
+
+        def words() -> str:
+            grad = ", grad" if records else ""
+            return (
+                f"input {tuple(channels.shape)} {str(channels.dtype).removeprefix('torch.')}{grad}"
+            )
+
+        def matmul(c: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            return self._matmul(c, w, b, out_hw)
+
+        def grouped(c: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            return self._grouped(c, w, b, groups)
+
+        forms = {
+            "grouped": timed_run(grouped, channels, weight, bias),
+            "matmul": timed_run(matmul, channels, weight, bias),
+        }
+        return self.forms.choose(self.weight_home_key, signature, words, forms, model)
+
+    def choices(self) -> list[FormChoice]:
+        """The forms measured for this layer so far (``Ensemble.plan`` lists them)."""
+        return self.forms.choices(self.weight_home_key)
+
+    def _matmul(
+        self, channels: Tensor, weight: Tensor, bias: Tensor | None, out_hw: list[int]
+    ) -> Tensor:
+        """``(batch, members, out channels, h, w)`` by one ``baddbmm`` over the members, from
+        ``channels`` ``(batch, members * in channels, H, W)``."""
+        assert not isinstance(self.padding, str)  # matmul_ok: "same" stays a convolution
+        batch = channels.shape[0]
+        positions = out_hw[0] * out_hw[1]
         count, out_channels = weight.shape[0], weight.shape[1]
         if self.pointwise:  # each patch is one input pixel: the strided pixels, in one copy
             pixels = channels[:, :, :: self.stride[0], :: self.stride[1]]
@@ -179,6 +221,23 @@ class ConvolutionKernel:
         out = out.view(count, out_channels, batch, *out_hw).permute(2, 0, 1, 3, 4)
         return out.contiguous()
 
+
+def cost_model_form(pointwise: bool, batch: int, positions: int) -> str:
+    """The form a CPU ``Conv2d`` (``groups=1``) takes where nothing is measured: a batched
+    matmul on output maps of at most `MATMUL_POSITIONS` positions, or `MATMUL_SMALL_BATCH_POSITIONS`
+    for a small batch, or `POINTWISE_MATMUL_POSITIONS` for a 1x1 convolution; else grouped."""
+    if pointwise:
+        limit = POINTWISE_MATMUL_POSITIONS
+    elif batch * positions <= MATMUL_COLUMNS:
+        limit = MATMUL_SMALL_BATCH_POSITIONS
+    else:
+        limit = MATMUL_POSITIONS
+    return "matmul" if 0 < positions <= limit else "grouped"
+
+
+MEASURED_POSITIONS = 16
+"""The most positions per output map (4x4) at which ``route="auto"`` times both forms; on larger
+maps the grouped convolution runs (the matmul's unfolded patches grow with the maps)."""
 
 MATMUL_POSITIONS = 4
 """The most positions per output map (2x2) at which a CPU ``Conv2d`` runs as a batched matmul."""
