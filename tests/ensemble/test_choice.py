@@ -156,3 +156,19 @@ def test_after_eight_signatures_new_ones_take_the_usual_route_unmeasured():
             x = torch.randn(rows, 5)
             torch.testing.assert_close(ensemble(x), loop(models, x), atol=ATOL, rtol=0)
     assert len(ensemble.plan.notes) == 8
+
+
+def test_the_loop_is_kept_only_where_it_measured_clearly_faster():
+    import time
+
+    from modstate.ensemble import _choice
+
+    def taking(seconds):
+        return lambda: time.sleep(seconds)
+
+    # a tie within the margin keeps the batched forward; a clear win keeps the loop
+    close = _choice._measure("inputs", taking(0.02), taking(0.0195), [])
+    assert close.route == "batched"
+    clear = _choice._measure("inputs", taking(0.02), taking(0.012), [])
+    assert clear.route == "loop"
+    assert _choice.LOOP_MARGIN < 1

@@ -88,7 +88,8 @@ class Ensemble(nn.Module):
         route: how ``forward`` runs: ``"auto"`` (default) measures, at the first call with new
             inputs (shapes, dtypes, other arguments, train or eval, grad or not), the batched
             forward and a loop over the members (``ms.call`` of each member's views of the
-            stacked tensors), and keeps the faster for those inputs (the first 8 signatures;
+            stacked tensors), and keeps the batched forward unless the loop measured 5%
+            faster or more, for those inputs (the first 8 signatures;
             later new ones take the route chosen most, unmeasured); ``"batched"`` or
             ``"loop"`` pin one. The choices and their times are in ``plan``. Measuring (4 to 12
             runs of each route, forward and backward, once per input signature) changes no

@@ -7,6 +7,10 @@ theirs; a subclass takes its base's only when it keeps every method the base's `
 runs (`RUNS`), for a subclass that overrides ``forward`` may compute something else; and a
 class the user declared (``Ensemble(..., kernels={MyNorm: nn.LayerNorm})``, carried by the
 `KernelContext`) takes the kernel of the torch class it is declared to compute as.
+
+A kernel with two batched forms (a CPU convolution on small maps: grouped, or a matmul over
+unfolded patches) asks the ensemble's `forms.LayerForms` which to run: measured on the layer's
+first input of each signature, or the kernel's cost model where nothing is measured.
 """
 
 from __future__ import annotations
