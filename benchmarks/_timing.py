@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -166,3 +169,26 @@ def assert_same_trees(
             rtol=rtol,
             msg=lambda text, path=path: f"{what}: at {path!r}: {text}",
         )
+
+
+def peak_allocated(fn) -> int:
+    """The peak of the bytes that torch's allocator holds for tensors made during one call of
+    ``fn``, as ``torch.profiler`` (``profile_memory=True``) records every allocation and free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        out = fn()
+    handle, path = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+    try:
+        recorded.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace)["traceEvents"]
+    finally:
+        os.remove(path)
+    del out
+    memory = [e["args"] for e in events if e.get("name") == "[memory]"]
+    if not memory:
+        return 0
+    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]  # held before the first event
+    return max(m["Total Allocated"] for m in memory) - start

@@ -8,8 +8,12 @@ interleaved rounds (``_timing.interleave``, median), in one process:
 - ``auto``: ``Ensemble(models)``, which measured its two routes at its first call;
 - ``batched``: ``Ensemble(models, route="batched")``, the batched kernels and vmap.
 
-The table gives ``auto`` and ``batched`` as ratios to the loop, the route ``auto`` chose, and
-what its first call's measuring cost. Run::
+The table gives ``auto`` and ``batched`` as ratios to the loop, the route ``auto`` chose, what
+its first call's measuring cost (and the whole first call), and the peak of the tensor memory one
+call allocates, for the loop, the batched route and the loop route (``route="loop"``), from
+``torch.profiler``'s allocation record (the stacked weights are held before the call and not
+counted). ``--plan`` also prints ``auto``'s plan notes: each route and each layer's form chosen,
+with the times that chose them. Run::
 
     python benchmarks/ensemble_routes_benchmarks_test.py            # the matrix (minutes)
     python benchmarks/ensemble_routes_benchmarks_test.py --only resnet18 --batches 16
@@ -45,7 +49,7 @@ from torch import nn
 
 import modstate as ms
 from _ensemble_models import SmallResNet, encoder, zoo
-from _timing import interleave
+from _timing import interleave, peak_allocated
 
 MEMBERS = 4
 
@@ -122,8 +126,9 @@ def draws(model: nn.Module) -> bool:
 
 def steps(
     models: list[nn.Module], inputs: tuple, train: bool
-) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble]:
-    """The three implementations of one cell, and the ``auto`` ensemble (for its plan)."""
+) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble, Callable[[], Any]]:
+    """The three timed implementations of one cell, the ``auto`` ensemble (for its plan), and
+    the loop route (``route="loop"``, for its memory)."""
     for model in models:
         model.train(train)
     # a member that draws random numbers in training (GPT-2's dropout) needs a draw per member;
@@ -133,6 +138,8 @@ def steps(
     auto = ms.Ensemble(copy.deepcopy(models), randomness=randomness).train(train)
     batched = ms.Ensemble(copy.deepcopy(models), route="batched", randomness=randomness)
     batched.train(train)
+    looped = ms.Ensemble(copy.deepcopy(models), route="loop", randomness=randomness)
+    looped.train(train)
 
     def loop_fwd() -> Any:
         with torch.no_grad():
@@ -156,19 +163,21 @@ def steps(
         return run
 
     if train:
-        return {
+        impls = {
             "loop": loop_train,
             "auto": ensemble_train(auto),
             "batched": ensemble_train(batched),
-        }, auto
-    return {"loop": loop_fwd, "auto": ensemble_fwd(auto), "batched": ensemble_fwd(batched)}, auto
+        }
+        return impls, auto, ensemble_train(looped)
+    impls = {"loop": loop_fwd, "auto": ensemble_fwd(auto), "batched": ensemble_fwd(batched)}
+    return impls, auto, ensemble_fwd(looped)
 
 
 def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[str, Any]:
     factory, inputs_of = MODELS[model]
     torch.manual_seed(100)
     inputs = inputs_of[shape](batch)
-    impls, auto = steps(members(factory), inputs, train)
+    impls, auto, loop_route = steps(members(factory), inputs, train)
     start = time.perf_counter()
     impls["auto"]()  # the first call measures the routes
     first = time.perf_counter() - start
@@ -178,6 +187,13 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
     chosen = [note for note in auto.plan.notes if note.startswith("forward for")]
     route = chosen[-1].split(": ")[1].split(" ")[0] if chosen else "batched"
     measured = chosen[-1].rsplit("measured in ", 1)[-1].rstrip(")") if chosen else "-"
+    # the peak of the tensor memory one call allocates (the stacked weights are held before),
+    # after a call that made what stays (.grad)
+    peaks = {}
+    for name, fn in {**impls, "loop route": loop_route}.items():
+        if name != "auto":
+            fn()
+            peaks[name] = peak_allocated(fn) / 2**20
     return {
         "model": model,
         "input": shape,
@@ -189,6 +205,9 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
         "route": route,
         "measuring": measured,
         "first_call_s": first,
+        "peak_mib": peaks,
+        "weights_mib": sum(t.numel() * t.element_size() for t in auto.parameters()) / 2**20,
+        "notes": auto.plan.notes,
     }
 
 
@@ -200,14 +219,21 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=["fwd", "train"], choices=["fwd", "train"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--plan", action="store_true", help="print auto's plan notes (routes and forms chosen)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {args.threads} threads, {MEMBERS} members, median of "
         f"{args.rounds} interleaved rounds; ratios to the loop (< 1: the ensemble is faster)"
     )
-    print("| model | input | batch | mode | loop ms | auto | route chosen | batched | measuring |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | input | batch | mode | loop ms | auto | route chosen | batched | measuring "
+        "| first call | peak MiB: loop, batched, loop route (stacked weights) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
     for model in args.only:
         for shape in MODELS[model][1]:
             if args.shapes and shape not in args.shapes:
@@ -215,12 +241,21 @@ def main() -> None:
             for batch in args.batches:
                 for train in [mode == "train" for mode in args.modes]:
                     row = cell(model, shape, batch, train, args.rounds)
+                    peaks = row["peak_mib"]
                     print(
                         f"| {row['model']} | {row['input']} | {row['batch']} | {row['mode']} | "
                         f"{row['loop_ms']:.1f} | {row['auto']:.2f} | {row['route']} | "
-                        f"{row['batched']:.2f} | {row['measuring']} |",
+                        f"{row['batched']:.2f} | {row['measuring']} | "
+                        f"{row['first_call_s']:.3g} s | {peaks['loop']:.0f}, "
+                        f"{peaks['batched']:.0f}, {peaks['loop route']:.0f} "
+                        f"({row['weights_mib']:.0f}) |",
                         flush=True,
                     )
+                    where = f"{row['model']} {row['input']} batch {row['batch']} {row['mode']}"
+                    notes += [f"- {where}: {note}" for note in row["notes"]]
+    if args.plan:
+        print("\nauto's plan notes (the routes and the forms chosen, with their times):")
+        print("\n".join(notes))
 
 
 def test_every_route_of_a_small_cell_computes_the_loops_outputs() -> None:

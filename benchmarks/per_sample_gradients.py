@@ -136,35 +136,10 @@ def timing(name: str, rounds: int) -> dict[str, dict[str, float]]:
     return {way: summarize(values) for way, values in samples.items()}
 
 
-def peak_allocated(fn) -> int:
-    """The peak of the bytes that torch's allocator holds for tensors made during one call of
-    ``fn``, as ``torch.profiler`` (``profile_memory=True``) records every allocation and free."""
-    import json
-    import os
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        out = fn()
-    handle, path = tempfile.mkstemp(suffix=".json")
-    os.close(handle)
-    try:
-        recorded.export_chrome_trace(path)
-        with open(path) as trace:
-            events = json.load(trace)["traceEvents"]
-    finally:
-        os.remove(path)
-    del out
-    memory = [e["args"] for e in events if e.get("name") == "[memory]"]
-    if not memory:
-        return 0
-    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]  # held before the first event
-    return max(m["Total Allocated"] for m in memory) - start
-
-
 def memory(name: str) -> dict[str, int]:
     import torch
+
+    from _timing import peak_allocated
 
     torch.set_num_threads(1)
     made = ways(name)

@@ -19,8 +19,8 @@ when autograd records, the backward of the outputs' sum with respect to the stac
 put back after each run, so measuring changes nothing the call that follows can see. The loop
 is kept only where it measured at least `LOOP_MARGIN` faster: on a busy 2-core machine runs of
 one route differ by several percent, and the minimum of a few runs favoured the loop wrongly
-(torchvision ResNet-18 of 4 members, batch 64, training: measured 446 against 451 ms, then
-1.25-1.48 of a loop over the models where the batched forward ran at 1.13-1.19). Its cost
+(the routes benchmark, torchvision ResNet-18 of 4 members, batch 64, training: the loop chosen,
+at 1.48 of a loop over the models, where the batched forward ran at 1.19). Its cost
 (8 to 24 passes, once per signature) and the times that chose are in ``Ensemble.plan``. Only
 the first 8 signatures are measured: inputs of ever new shapes (a growing sequence) then take
 the route chosen for most of them, without measuring.
