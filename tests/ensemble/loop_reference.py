@@ -63,9 +63,7 @@ def assert_like_the_loop(
     kwargs = kwargs or {}
     models = seeded_members(factory, count)
     references = [copy.deepcopy(m) for m in models]
-    ensemble = ms.Ensemble(
-        models, in_dims=in_dims, kernels=kernels, route="batched", measure=False
-    )
+    ensemble = ms.Ensemble(models, in_dims=in_dims, kernels=kernels, route="batched", measure=False)
     torch.manual_seed(100)
     for step, training in enumerate(modes):
         inputs = make_inputs()

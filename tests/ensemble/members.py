@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -17,6 +19,32 @@ def seeded(factory, n, seed=0):
 def loop(models, x, in_dims=None):
     """The members' outputs stacked, each on ``x`` (or on its slice ``x[i]`` with in_dims=0)."""
     return torch.stack([m(x if in_dims is None else x[i]) for i, m in enumerate(models)])
+
+
+def from_threads(ensemble, inputs, threads=8):
+    """``ensemble(x)`` under ``no_grad`` for every input, from ``threads`` real threads started
+    together (thread k takes inputs k, k + threads, ...): the outputs by input index. An error in
+    any thread fails the caller."""
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def work(first: int) -> None:
+        try:
+            start.wait()  # all at once: the first meeting of a signature races
+            for i in range(first, len(inputs), threads):
+                with torch.no_grad():
+                    results[i] = ensemble(inputs[i])
+        except BaseException as error:
+            errors.append(error)
+
+    running = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    assert not errors, errors
+    return results
 
 
 def mlp():

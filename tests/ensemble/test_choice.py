@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import copy
 import pickle
-import threading
 
 import pytest
 import torch
 
 import modstate as ms
 
-from members import ATOL, cnn, loop, mlp, seeded
+from members import ATOL, cnn, from_threads, loop, mlp, seeded
 
 
 def trained_copies(models, x):
@@ -87,23 +86,7 @@ def test_measuring_changes_no_random_state_and_no_tensor():
 def test_threads_share_one_measurement_and_get_the_same_outputs():
     ensemble = ms.Ensemble(seeded(mlp, 3)).eval()
     inputs = [torch.randn(16, 5, generator=torch.Generator().manual_seed(i)) for i in range(200)]
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-
-    def work(start: int) -> None:
-        try:
-            for i in range(start, len(inputs), 8):
-                with torch.no_grad():
-                    results[i] = ensemble(inputs[i])
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
+    results = from_threads(ensemble, inputs)
     assert len(ensemble.plan.notes) == 1  # one signature, one measurement
     with torch.no_grad():
         for i, x in enumerate(inputs):  # the route chosen: the same numbers, exactly

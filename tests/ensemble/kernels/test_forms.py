@@ -6,7 +6,6 @@ computes what its members compute one by one."""
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 import modstate as ms
 from modstate.ensemble._kernels import conv, forms
 
-from members import ATOL, loop, seeded
+from members import ATOL, from_threads, loop, seeded
 
 FORM_NOTE = re.compile(
     r"layer '(?P<path>[\w.]+)', input \((?P<shape>[\d, ]+)\) float32(?P<grad>, grad)?: "
@@ -147,25 +146,7 @@ def test_threads_share_one_choice_per_layer_and_get_the_same_outputs():
     inputs = [
         torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(200)
     ]
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
-
-    def work(first: int) -> None:
-        try:
-            start.wait()  # all at once: the first meeting of the signature races
-            for i in range(first, len(inputs), 8):
-                with torch.no_grad():
-                    results[i] = ensemble(inputs[i])
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
+    results = from_threads(ensemble, inputs)
     assert [n["path"] for n in form_notes(ensemble)] == ["2"]  # one measurement
     with torch.no_grad():
         for i, x in enumerate(inputs):  # the forms chosen: the same numbers, exactly
