@@ -10,7 +10,8 @@ measures both ways on those inputs and keeps the faster for that signature:
 - ``"loop"``: ``modstate.call(template, member_i, ...)`` for each member, on views of the
   stacked tensors, outputs stacked: the members' own layers, no kernel and no vmap. Gradients
   reach the stacked parameters through the views, BatchNorm updates the stacked statistics in
-  place, as a loop over the member models does.
+  place, as a loop over the member models does. Without autograd each member is a plain call of
+  a per-thread copy of the template holding views of the stacked tensors (``_loop.py``).
 
 Measuring runs each way four to twelve times, interleaved (the first a warm-up, then the
 median of the others; more rounds while they cost under a quarter second in all), forward and,
@@ -44,11 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from modstate._core.call import call
 from modstate._core.torch_facts import functorch_active
-from modstate._core.trees.flat import Layout
-
-from ._vmap import argument_dims
 
 ROUTES = ("auto", "batched", "loop")
 _ROUNDS = 4  # the first is a warm-up: caches, the kernels' first-call learning
@@ -147,39 +144,6 @@ class ForwardChoice:
         if torch.compiler.is_compiling() or functorch_active():
             return False
         return not (owner.training and self._randomness != "error")
-
-
-def member_trees(layout: Layout, flat: list[Tensor], count: int) -> list[dict[str, Any]]:
-    """Each member's tree of views into the stacked tensors ``flat`` (in ``layout``'s key
-    order); a stacked tensor at several paths (a tie) gives each member one view for all."""
-    views: dict[int, tuple[Tensor, ...]] = {}
-    for tensor in flat:
-        if id(tensor) not in views:
-            views[id(tensor)] = tensor.unbind(0)
-    return [layout.nest([views[id(tensor)][i] for tensor in flat]) for i in range(count)]
-
-
-def loop_forward(
-    template: nn.Module,
-    trees: list[dict[str, Any]],
-    in_dims: Any,
-    args: tuple,
-    kwargs: dict[str, Any],
-) -> Any:
-    """``template`` called on each member's tree (its slice of each mapped input), the outputs
-    stacked along a new leading dim, as the batched forward returns them."""
-    dims = argument_dims(in_dims, len(args), "Ensemble")
-    outputs = []
-    for i, tree in enumerate(trees):
-        own = tuple(a if d is None else a.select(d, i) for a, d in zip(args, dims, strict=True))
-        outputs.append(call(template, tree, *own, **kwargs))
-    leaves, spec = pytree.tree_flatten(outputs[0])
-    rest = [pytree.tree_flatten(out)[0] for out in outputs[1:]]
-    stacked = [
-        torch.stack([leaf, *(r[k] for r in rest)]) if isinstance(leaf, Tensor) else leaf
-        for k, leaf in enumerate(leaves)
-    ]
-    return pytree.tree_unflatten(stacked, spec)
 
 
 def _signature(owner: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Hashable:

@@ -10,15 +10,17 @@ from torch import Tensor, nn
 
 from modstate._core.extract import extract
 from modstate._core.inject import swap
+from modstate._core.torch_facts import functorch_active
 from modstate._core.trees.flat import Layout, flatten
 from modstate._core.types import Tree
 
 from ._chain import Chain, build_chain
-from ._choice import ForwardChoice, loop_forward, member_trees
+from ._choice import ForwardChoice
 from ._declared import check_declared_layers
 from ._factory import build_members, checked_seeds, draw_base_seed, member_seed
 from ._kernels import KernelContext
 from ._kernels.forms import LayerForms
+from ._loop import MemberCopies, loop_forward, member_trees
 from ._options import checked_options, on_ranks
 from ._plan import Plan
 from ._runner import ThreadRunners, VmapRunner
@@ -132,7 +134,8 @@ class Ensemble(nn.Module):
     stacked: nn.Module
     local: Ensemble  # a member-parallel ensemble's computing part (this rank's members)
     _template: nn.Module
-    _runners: ThreadRunners
+    _runners: ThreadRunners[VmapRunner]
+    _member_copies: ThreadRunners[MemberCopies]
     _chain: Chain | None
     _shards: MemberShards | None
 
@@ -322,6 +325,8 @@ class Ensemble(nn.Module):
         flat = flatten(extract(template))
         self._tree_homes = [homes[id(t)] for t in flat.values()]
         self._layout = Layout(list(flat))
+        layout, count = self._layout, self.count
+        self._member_copies = ThreadRunners(lambda: MemberCopies(template, layout, count))
         unmeasured = pinned or (self.route == "auto" and not self.measure)
         self._choice = ForwardChoice("batched" if unmeasured else self.route, self._randomness)
         run: Callable[..., Any] = self._run
@@ -334,7 +339,10 @@ class Ensemble(nn.Module):
                 "deep-copied; save it with modstate.checkpoint.save_distributed"
             )
         state = dict(super().__getstate__())
-        for name in ("_chain", "_runners", "_tree_homes", "_layout", "_forward_impl", "_choice"):
+        for name in (
+            "_chain", "_runners", "_member_copies", "_tree_homes", "_layout", "_forward_impl",
+            "_choice",
+        ):  # fmt: skip
             state.pop(name, None)
         return state
 
@@ -368,7 +376,11 @@ class Ensemble(nn.Module):
         return self._choice.run(self, args, kwargs, self._batched, self._loop, self._stacked_leaves)
 
     def _loop(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        trees = member_trees(self._layout, self._stacked_leaves(), self.count)
+        flat = self._stacked_leaves()
+        if not (torch.is_grad_enabled() or functorch_active() or torch.compiler.is_compiling()):
+            # no autograd: plain calls of this thread's member copies (see _loop.py)
+            return self._member_copies.mine()(flat, self._in_dims, args, kwargs)
+        trees = member_trees(self._layout, flat, self.count)
         return loop_forward(self._template, trees, self._in_dims, args, kwargs)
 
     def _stacked_leaves(self) -> list[Tensor]:
@@ -503,6 +515,7 @@ class Ensemble(nn.Module):
         else:
             self._template.train(mode)
             self._runners.train(mode)
+            self._member_copies.train(mode)
         return self
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Ensemble:

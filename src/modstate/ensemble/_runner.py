@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -170,19 +170,27 @@ class VmapRunner:
         self.module.train(mode)
 
 
-class ThreadRunners:
-    """One `VmapRunner` per calling thread, made by ``build`` on the thread's first call;
-    ``train(mode)`` reaches every runner made so far."""
+class _Trains(Protocol):
+    def train(self, mode: bool) -> Any: ...
 
-    def __init__(self, build: Callable[[], VmapRunner]) -> None:
+
+Made = TypeVar("Made", bound=_Trains)
+
+
+class ThreadRunners(Generic[Made]):
+    """One `VmapRunner` (or other per-thread copy of the template: the loop route's
+    `MemberCopies`) per calling thread, made by ``build`` on the thread's first call;
+    ``train(mode)`` reaches every one made so far."""
+
+    def __init__(self, build: Callable[[], Made]) -> None:
         self._build = build
         self._local = threading.local()
-        self._made: list[VmapRunner] = []
+        self._made: list[Made] = []
         self._lock = threading.Lock()
 
-    def mine(self) -> VmapRunner:
+    def mine(self) -> Made:
         """This thread's runner."""
-        runner: VmapRunner | None = getattr(self._local, "runner", None)
+        runner: Made | None = getattr(self._local, "runner", None)
         if runner is None:
             runner = self._build()  # a copy of the template: in the template's modes
             with self._lock:
