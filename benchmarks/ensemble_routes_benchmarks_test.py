@@ -6,11 +6,13 @@ interleaved rounds (``_timing.interleave``, median), in one process:
 
 - ``loop``: a Python loop over the 4 member models, the baseline;
 - ``auto``: ``Ensemble(models)``, which measured its two routes at its first call;
-- ``batched``: ``Ensemble(models, route="batched")``, the batched kernels and vmap.
+- ``batched``: ``Ensemble(models, route="batched")``, the batched kernels and vmap;
+- ``loop route``: ``Ensemble(models, route="loop")``, each member by itself on views of the
+  stacked tensors.
 
-The table gives ``auto`` and ``batched`` as ratios to the loop, the route ``auto`` chose, what
-its first call's measuring cost (and the whole first call), and the peak of the tensor memory one
-call allocates, for the loop, the batched route and the loop route (``route="loop"``), from
+The table gives ``auto``, ``batched`` and ``loop route`` as ratios to the loop, the route
+``auto`` chose, what its first call's measuring cost (and the whole first call), and the peak of
+the tensor memory one call allocates, for the loop, the batched route and the loop route, from
 ``torch.profiler``'s allocation record (the stacked weights are held before the call and not
 counted). ``--plan`` also prints ``auto``'s plan notes: each route and each layer's form chosen,
 with the times that chose them. Run::
@@ -126,9 +128,8 @@ def draws(model: nn.Module) -> bool:
 
 def steps(
     models: list[nn.Module], inputs: tuple, train: bool
-) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble, Callable[[], Any]]:
-    """The three timed implementations of one cell, the ``auto`` ensemble (for its plan), and
-    the loop route (``route="loop"``, for its memory)."""
+) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble]:
+    """The four implementations of one cell, and the ``auto`` ensemble (for its plan)."""
     for model in models:
         model.train(train)
     # a member that draws random numbers in training (GPT-2's dropout) needs a draw per member;
@@ -167,17 +168,23 @@ def steps(
             "loop": loop_train,
             "auto": ensemble_train(auto),
             "batched": ensemble_train(batched),
+            "loop route": ensemble_train(looped),
         }
-        return impls, auto, ensemble_train(looped)
-    impls = {"loop": loop_fwd, "auto": ensemble_fwd(auto), "batched": ensemble_fwd(batched)}
-    return impls, auto, ensemble_fwd(looped)
+        return impls, auto
+    impls = {
+        "loop": loop_fwd,
+        "auto": ensemble_fwd(auto),
+        "batched": ensemble_fwd(batched),
+        "loop route": ensemble_fwd(looped),
+    }
+    return impls, auto
 
 
 def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[str, Any]:
     factory, inputs_of = MODELS[model]
     torch.manual_seed(100)
     inputs = inputs_of[shape](batch)
-    impls, auto, loop_route = steps(members(factory), inputs, train)
+    impls, auto = steps(members(factory), inputs, train)
     start = time.perf_counter()
     impls["auto"]()  # the first call measures the routes
     first = time.perf_counter() - start
@@ -190,7 +197,7 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
     # the peak of the tensor memory one call allocates (the stacked weights are held before),
     # after a call that made what stays (.grad)
     peaks = {}
-    for name, fn in {**impls, "loop route": loop_route}.items():
+    for name, fn in impls.items():
         if name != "auto":
             fn()
             peaks[name] = peak_allocated(fn) / 2**20
@@ -202,6 +209,7 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
         "loop_ms": median["loop"] * 1e3,
         "auto": median["auto"] / median["loop"],
         "batched": median["batched"] / median["loop"],
+        "loop route": median["loop route"] / median["loop"],
         "route": route,
         "measuring": measured,
         "first_call_s": first,
@@ -229,10 +237,11 @@ def main() -> None:
         f"{args.rounds} interleaved rounds; ratios to the loop (< 1: the ensemble is faster)"
     )
     print(
-        "| model | input | batch | mode | loop ms | auto | route chosen | batched | measuring "
+        "| model | input | batch | mode | loop ms | auto | route chosen | batched | loop route "
+        "| measuring "
         "| first call | peak MiB: loop, batched, loop route (stacked weights) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for model in args.only:
         for shape in MODELS[model][1]:
@@ -245,7 +254,7 @@ def main() -> None:
                     print(
                         f"| {row['model']} | {row['input']} | {row['batch']} | {row['mode']} | "
                         f"{row['loop_ms']:.1f} | {row['auto']:.2f} | {row['route']} | "
-                        f"{row['batched']:.2f} | {row['measuring']} | "
+                        f"{row['batched']:.2f} | {row['loop route']:.2f} | {row['measuring']} | "
                         f"{row['first_call_s']:.3g} s | {peaks['loop']:.0f}, "
                         f"{peaks['batched']:.0f}, {peaks['loop route']:.0f} "
                         f"({row['weights_mib']:.0f}) |",
