@@ -5,7 +5,9 @@ train step ("train": forward, the outputs' sum, backward into the parameters). T
 interleaved rounds (``_timing.interleave``, median), in one process:
 
 - ``loop``: a Python loop over the 4 member models, the baseline;
-- ``auto``: ``Ensemble(models)``, which measured its two routes at its first call;
+- ``auto``: ``Ensemble(models)``, which measured its two routes at its first call (for ViT-Tiny
+  with timm's ``LayerNorm`` declared, ``kernels={timm.layers.LayerNorm: nn.LayerNorm}``, as
+  docs/semantics.md shows; the other ensembles of the cell too);
 - ``batched``: ``Ensemble(models, route="batched")``, the batched kernels and vmap;
 - ``loop route``: ``Ensemble(models, route="loop")``, each member by itself on views of the
   stacked tensors.
@@ -118,6 +120,16 @@ def members(factory: Callable[[], nn.Module]) -> list[nn.Module]:
     return models
 
 
+def declared(model: str) -> dict | None:
+    """The kernels a user declares for ``model``, as docs/semantics.md shows for timm: timm's
+    ``LayerNorm`` computes ``nn.LayerNorm``'s ``F.layer_norm`` while its fast norm is off."""
+    if model != "vit_tiny":
+        return None
+    import timm
+
+    return {timm.layers.LayerNorm: nn.LayerNorm}
+
+
 def draws(model: nn.Module) -> bool:
     """Whether ``model`` draws random numbers in training (a dropout with ``p > 0``)."""
     return any(
@@ -127,19 +139,21 @@ def draws(model: nn.Module) -> bool:
 
 
 def steps(
-    models: list[nn.Module], inputs: tuple, train: bool
+    models: list[nn.Module], inputs: tuple, train: bool, kernels: dict | None = None
 ) -> tuple[dict[str, Callable[[], Any]], ms.Ensemble]:
-    """The four implementations of one cell, and the ``auto`` ensemble (for its plan)."""
+    """The four implementations of one cell, and the ``auto`` ensemble (for its plan);
+    ``kernels`` as ``Ensemble(kernels=...)`` takes them."""
     for model in models:
         model.train(train)
     # a member that draws random numbers in training (GPT-2's dropout) needs a draw per member;
     # auto then runs batched unmeasured (a loop would draw other masks); the others keep vmap's
     # default, and auto measures
     randomness = "different" if train and draws(models[0]) else "error"
-    auto = ms.Ensemble(copy.deepcopy(models), randomness=randomness).train(train)
-    batched = ms.Ensemble(copy.deepcopy(models), route="batched", randomness=randomness)
+    options: dict[str, Any] = {"randomness": randomness, "kernels": kernels}
+    auto = ms.Ensemble(copy.deepcopy(models), **options).train(train)
+    batched = ms.Ensemble(copy.deepcopy(models), route="batched", **options)
     batched.train(train)
-    looped = ms.Ensemble(copy.deepcopy(models), route="loop", randomness=randomness)
+    looped = ms.Ensemble(copy.deepcopy(models), route="loop", **options)
     looped.train(train)
 
     def loop_fwd() -> Any:
@@ -184,7 +198,7 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
     factory, inputs_of = MODELS[model]
     torch.manual_seed(100)
     inputs = inputs_of[shape](batch)
-    impls, auto = steps(members(factory), inputs, train)
+    impls, auto = steps(members(factory), inputs, train, declared(model))
     start = time.perf_counter()
     impls["auto"]()  # the first call measures the routes
     first = time.perf_counter() - start
