@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
+
+from together import run_together
 
 ATOL = 1e-5
 
@@ -26,24 +26,14 @@ def from_threads(ensemble, inputs, threads=8):
     together (thread k takes inputs k, k + threads, ...): the outputs by input index. An error in
     any thread fails the caller."""
     results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads)
 
-    def work(first: int) -> None:
-        try:
-            start.wait()  # all at once: the first meeting of a signature races
-            for i in range(first, len(inputs), threads):
-                with torch.no_grad():
-                    results[i] = ensemble(inputs[i])
-        except BaseException as error:
-            errors.append(error)
+    def work(first: int) -> int:
+        for i in range(first, len(inputs), threads):
+            with torch.no_grad():
+                results[i] = ensemble(inputs[i])
+        return 0
 
-    running = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-    for thread in running:
-        thread.start()
-    for thread in running:
-        thread.join()
-    assert not errors, errors
+    run_together(work, threads)
     return results
 
 
