@@ -177,19 +177,12 @@ def steps(
 
         return run
 
-    if train:
-        impls = {
-            "loop": loop_train,
-            "auto": ensemble_train(auto),
-            "batched": ensemble_train(batched),
-            "loop route": ensemble_train(looped),
-        }
-        return impls, auto
+    step = ensemble_train if train else ensemble_fwd
     impls = {
-        "loop": loop_fwd,
-        "auto": ensemble_fwd(auto),
-        "batched": ensemble_fwd(batched),
-        "loop route": ensemble_fwd(looped),
+        "loop": loop_train if train else loop_fwd,
+        "auto": step(auto),
+        "batched": step(batched),
+        "loop route": step(looped),
     }
     return impls, auto
 

@@ -54,7 +54,10 @@ def exclude(tree: Any, *patterns: str) -> Any:
 
     Returns:
         ``tree`` without the matched leaves: its other leaves (the input's own objects), in
-        new containers. A pattern that is not a string raises `TypeError`.
+        new containers.
+
+    Raises:
+        TypeError: A pattern is not a string.
 
     Example:
         >>> tree = {"encoder": {"w": torch.ones(1), "b": torch.ones(1)}, "head": {"w": torch.ones(1)}}

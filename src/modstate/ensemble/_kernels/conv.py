@@ -72,9 +72,6 @@ class ConvolutionKernel:
         self.spatial = len(module.kernel_size)
         self.weight = context.home(module.weight)
         self.forms = context.forms
-        # the layer, for the forms measured: its stacked weight's Home, the same object in
-        # every runner and chain of the ensemble (each builds kernels of its own)
-        self.weight_home_key = self.weight
         self.bias = context.maybe_home(module.bias)
         self.stride = module.stride
         self.dilation = module.dilation
@@ -184,15 +181,19 @@ class ConvolutionKernel:
         def grouped(c: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
             return self._grouped(c, w, b, groups)
 
-        forms = {
-            "grouped": timed_run(grouped, channels, weight, bias),
-            "matmul": timed_run(matmul, channels, weight, bias),
-        }
-        return self.forms.choose(self.weight_home_key, signature, words, forms, model)
+        def forms() -> dict[str, Callable[[], object]]:
+            return {
+                "grouped": timed_run(grouped, channels, weight, bias),
+                "matmul": timed_run(matmul, channels, weight, bias),
+            }
+
+        # the layer's key: its stacked weight's Home, the same object in every runner and chain
+        # of the ensemble (each builds kernels of its own)
+        return self.forms.choose(self.weight, signature, words, forms, model)
 
     def choices(self) -> list[FormChoice]:
         """The forms measured for this layer so far (``Ensemble.plan`` lists them)."""
-        return self.forms.choices(self.weight_home_key)
+        return self.forms.choices(self.weight)
 
     def _matmul(
         self, channels: Tensor, weight: Tensor, bias: Tensor | None, out_hw: list[int]
@@ -236,8 +237,8 @@ def cost_model_form(pointwise: bool, batch: int, positions: int) -> str:
 
 
 MEASURED_POSITIONS = 16
-"""The most positions per output map (4x4) at which ``route="auto"`` times both forms; on larger
-maps the grouped convolution runs (the matmul's unfolded patches grow with the maps)."""
+"""The most positions per output map (4x4) at which an ensemble that measures times both forms;
+on larger maps the grouped convolution runs (the matmul's unfolded patches grow with the maps)."""
 
 MATMUL_POSITIONS = 4
 """The most positions per output map (2x2) at which a CPU ``Conv2d`` runs as a batched matmul."""

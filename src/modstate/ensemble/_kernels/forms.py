@@ -83,12 +83,13 @@ class LayerForms:
         layer: Hashable,
         signature: Hashable,
         words: Callable[[], str],
-        forms: dict[str, Callable[[], object]],
+        forms: Callable[[], dict[str, Callable[[], object]]],
         model: str,
     ) -> str:
-        """The form for ``layer`` at ``signature``: measured on its first meeting (``forms``
-        maps each name to a run of that form, forward and backward), else the one chosen then;
-        ``model`` (the cost model's form) past the first `MAX_SIGNATURES`."""
+        """The form for ``layer`` at ``signature``: measured on its first meeting (``forms()``
+        maps each name to a run of that form, forward and backward; it and ``words()`` are
+        called only then), else the one chosen then; ``model`` (the cost model's form) past the
+        first `MAX_SIGNATURES`."""
         chosen = self._chosen.get(layer)
         choice = None if chosen is None else chosen.get(signature)
         if choice is not None:
@@ -99,7 +100,7 @@ class LayerForms:
             if choice is None:
                 if len(chosen) >= MAX_SIGNATURES:
                     return model
-                choice = _measure(words(), forms)
+                choice = _measure(words(), forms())
                 chosen[signature] = choice
         return choice.form
 
