@@ -155,3 +155,36 @@ def test_the_loop_is_kept_only_where_it_measured_clearly_faster():
     clear = _choice._measure("inputs", taking(0.02), taking(0.012), [])
     assert clear.route == "loop"
     assert _choice.LOOP_MARGIN < 1
+
+
+def test_a_batched_forward_over_the_memory_bound_gives_way_to_the_loop_whatever_its_time():
+    import time
+
+    from modstate.ensemble import _choice
+
+    def big_and_fast():
+        return torch.empty(_choice.ALLOWANCE // 4 + 2**20)  # more than the allowance alone
+
+    chosen = _choice._measure("inputs", big_and_fast, lambda: time.sleep(0.01), [])
+    assert chosen.route == "loop"
+    assert chosen.batched_bytes > chosen.bound_bytes == _choice.ALLOWANCE  # the loop makes 0
+    assert "over the bound" in chosen.line()
+
+
+def test_a_wide_ensemble_without_grad_runs_the_loop_where_batched_would_hold_every_member():
+    # 8 members of 16 -> 4096 -> 4 on 1024 rows: the batched hidden layer is 8 x 16 MiB at
+    # once, the loop's one member's 16 MiB; the weights are 2.7 MiB
+    nn = torch.nn
+    models = seeded(lambda: nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 4)), 8)
+    ensemble = ms.Ensemble(models).eval()
+    x = torch.randn(1024, 16)
+    with torch.no_grad():
+        out = ensemble(x)
+    (note,) = ensemble.plan.notes
+    assert ": loop (" in note and "over the bound" in note, note
+    torch.testing.assert_close(out, loop(models, x), atol=ATOL, rtol=0)
+    pinned = ms.Ensemble(models, route="batched").eval()  # asked for: batched, unmeasured
+    with torch.no_grad():
+        torch.testing.assert_close(pinned(x), out, atol=ATOL, rtol=0)
+    assert pinned.plan.notes == []
+

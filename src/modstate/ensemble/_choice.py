@@ -13,18 +13,22 @@ measures both ways on those inputs and keeps the faster for that signature:
   place, as a loop over the member models does. Without autograd each member is a plain call of
   a per-thread copy of the template holding views of the stacked tensors (``_loop.py``).
 
-Measuring runs each way four to twelve times, interleaved (the first a warm-up, then the
-median of the others; more rounds while they cost under a quarter second in all), forward and,
-when autograd records, the backward of the outputs' sum with respect to the stacked parameters
-(``torch.autograd.grad``: no ``.grad`` is written); the stacked buffers and the random state are
-put back after each run, so measuring changes nothing the call that follows can see. The loop
-is kept only where it measured at least `LOOP_MARGIN` faster: on a busy 2-core machine runs of
-one route differ by several percent, and the minimum of a few runs favoured the loop wrongly
-(the routes benchmark, torchvision ResNet-18 of 4 members, batch 64, training: the loop chosen,
-at 1.48 of a loop over the models, where the batched forward ran at 1.19). Its cost
-(8 to 24 passes, once per signature) and the times that chose are in ``Ensemble.plan``. Only
-the first 8 signatures are measured: inputs of ever new shapes (a growing sequence) then take
-the route chosen for most of them, without measuring.
+Measuring runs each way once to warm up, once counting memory (``_memory.py``), then three to
+twelve timed times, interleaved, and takes the medians: more rounds while they cost under a
+quarter second in all, or, up to a second, while the two are within a few percent of the
+margin (on a busy 2-core machine runs of one route differ by several percent). A run is the
+forward and, when autograd records, the backward of the outputs' sum with respect to the
+stacked parameters (``torch.autograd.grad``: no ``.grad`` is written); the stacked buffers and
+the random state are put back after each, so measuring changes nothing the call that follows
+can see. The loop is kept where it measured at least `LOOP_MARGIN` faster (the minimum of a
+few runs favoured the loop wrongly: the routes benchmark, torchvision ResNet-18 of 4 members,
+batch 64, training: the loop chosen, at 1.48 of a loop over the models, where the batched
+forward ran at 1.19), and wherever the batched forward's peak of tensor memory exceeds the
+loop's plus the stacked tensors' bytes plus `ALLOWANCE`, whatever the times: the batched
+forward holds every member's activations at once. Its cost (once per signature), the times
+and the peaks that chose are in ``Ensemble.plan``. Only the first 8 signatures are measured:
+inputs of ever new shapes (a growing sequence) then take the route chosen for most of them,
+without measuring.
 
 Not measured (batched, as before): while compiling or under a ``torch.func`` transform (the
 forward then is part of a larger program), ``compile=True``, ``fast=False``, and a forward in
@@ -47,13 +51,22 @@ from torch.utils import _pytree as pytree
 
 from modstate._core.torch_facts import functorch_active
 
+from ._memory import held_bytes, peak_bytes
+
 ROUTES = ("auto", "batched", "loop")
-_ROUNDS = 4  # the first is a warm-up: caches, the kernels' first-call learning
+_ROUNDS = 3  # timed rounds, after a warm-up and the memory pass
 _MAX_ROUNDS = 12
 _CHEAP_S = 0.25  # measuring time below which more rounds are taken
+_CLOSE = (0.85, 1.05)  # loop / batched time ratios near the margin: timed longer, up to
+_CLOSE_S = 1.0
 _MAX_MEASURED = 8  # signatures measured; later new ones take the route chosen most often
 LOOP_MARGIN = 0.95
 """The loop is chosen only when its measured time is below this fraction of the batched one's."""
+ALLOWANCE = 64 * 2**20
+"""Bytes the batched forward may take beyond the loop's peak plus the stacked tensors: without
+it, every model whose forward holds a few MiB would lose the batched route, which holds M
+members' activations at once where the loop holds one member's (a 4-member GPT-2 without grad:
+5 MiB against 2, at 0.9 of the loop's time)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,11 @@ class Choice:
         batched_s: the batched forward's time (seconds; None where pinned).
         loop_s: the loop's time.
         measuring_s: what measuring cost, in all.
+        batched_bytes: the peak of the tensor memory the batched forward (and its backward)
+            made; None where not counted (under another dispatch mode).
+        loop_bytes: the loop's.
+        bound_bytes: the most the batched forward may take: the loop's peak plus the stacked
+            tensors' bytes plus `ALLOWANCE`. Above it the loop is chosen, whatever the times.
     """
 
     signature: str
@@ -73,14 +91,32 @@ class Choice:
     batched_s: float | None = None
     loop_s: float | None = None
     measuring_s: float = 0.0
+    batched_bytes: int | None = None
+    loop_bytes: int | None = None
+    bound_bytes: int | None = None
 
     def line(self) -> str:
         if self.batched_s is None or self.loop_s is None:
             return f"{self.signature}: {self.route} (pinned)"
+        over = (
+            self.bound_bytes is not None
+            and self.batched_bytes is not None
+            and self.batched_bytes > self.bound_bytes
+        )
+        memory = (
+            ""
+            if self.bound_bytes is None
+            else f", peak MiB batched {_mib(self.batched_bytes)}, loop {_mib(self.loop_bytes)}"
+            + (f", over the bound {_mib(self.bound_bytes)}" if over else "")
+        )
         return (
             f"{self.signature}: {self.route} (batched {self.batched_s * 1e3:.3g} ms, loop "
-            f"{self.loop_s * 1e3:.3g} ms, measured in {self.measuring_s:.3g} s)"
+            f"{self.loop_s * 1e3:.3g} ms{memory}, measured in {self.measuring_s:.3g} s)"
         )
+
+
+def _mib(size: int | None) -> str:
+    return "?" if size is None else f"{size / 2**20:.3g}"
 
 
 class ForwardChoice:
@@ -174,35 +210,65 @@ def _measure(
     words: str, batched: Callable[[], Any], loop: Callable[[], Any], stacked: list[Tensor]
 ) -> Choice:
     started = time.perf_counter()
+    ways = {"batched": batched, "loop": loop}
     buffers = [t for t in dict.fromkeys(stacked) if not t.requires_grad]
     saved = [t.clone() for t in buffers]
     trained = [t for t in dict.fromkeys(stacked) if t.requires_grad]
     rng = torch.random.get_rng_state()
+
+    def once(run: Callable[..., Any], way: Callable[[], Any]) -> Any:
+        try:
+            return run(way, trained)
+        finally:  # after every run, also one that raised: what it changed in place
+            with torch.no_grad():  # (BatchNorm's statistics) and the random state
+                for tensor, value in zip(buffers, saved, strict=True):
+                    tensor.copy_(value)
+            torch.random.set_rng_state(rng)
+
+    for way in ways.values():  # a warm-up: caches, the kernels' first-call learning (forms)
+        once(_timed, way)
+    # the memory pass, apart from the timed ones: counting slows every op
+    peaks = {name: once(_counted, way) for name, way in ways.items()}
     times: dict[str, list[float]] = {"batched": [], "loop": []}
-    rounds = 0
-    # at least _ROUNDS; more while they are cheap (small models: the times are noisier)
-    while rounds < _ROUNDS or (rounds < _MAX_ROUNDS and _spent(times) < _CHEAP_S):
-        rounds += 1
-        for name, way in (("batched", batched), ("loop", loop)):  # interleaved rounds
-            try:
-                times[name].append(_timed(way, trained))
-            finally:  # after every run, also one that raised: what it changed in place
-                with torch.no_grad():  # (BatchNorm's statistics) and the random state
-                    for tensor, value in zip(buffers, saved, strict=True):
-                        tensor.copy_(value)
-                torch.random.set_rng_state(rng)
-    batched_s, loop_s = (statistics.median(times[name][1:]) for name in ("batched", "loop"))
+    while _more_rounds(times):
+        for name, way in ways.items():  # interleaved rounds
+            times[name].append(once(_timed, way))
+    batched_s, loop_s = (statistics.median(times[name]) for name in ("batched", "loop"))
+    bound = None if peaks["loop"] is None else peaks["loop"] + held_bytes(stacked) + ALLOWANCE
+    over = bound is not None and peaks["batched"] is not None and peaks["batched"] > bound
     return Choice(
         words,
-        "loop" if loop_s < LOOP_MARGIN * batched_s else "batched",
+        "loop" if over or loop_s < LOOP_MARGIN * batched_s else "batched",
         batched_s,
         loop_s,
         time.perf_counter() - started,
+        peaks["batched"],
+        peaks["loop"],
+        bound,
     )
+
+
+def _more_rounds(times: dict[str, list[float]]) -> bool:
+    """Whether to time one more round: at least `_ROUNDS`; more while they are cheap (small
+    models: their times are noisier), or while the routes are close to the margin and it
+    costs under `_CLOSE_S` in all."""
+    rounds = len(times["batched"])
+    if rounds < _ROUNDS:
+        return True
+    if rounds >= _MAX_ROUNDS:
+        return False
+    spent = _spent(times)
+    ratio = statistics.median(times["loop"]) / statistics.median(times["batched"])
+    return spent < _CHEAP_S or (_CLOSE[0] < ratio < _CLOSE[1] and spent < _CLOSE_S)
 
 
 def _spent(times: dict[str, list[float]]) -> float:
     return sum(map(sum, times.values()))
+
+
+def _counted(way: Callable[[], Any], trained: list[Tensor]) -> int | None:
+    """The peak of the tensor bytes one run of `_timed` makes (see ``_memory.py``)."""
+    return peak_bytes(lambda: _timed(way, trained))
 
 
 def _timed(way: Callable[[], Any], trained: list[Tensor]) -> float:
