@@ -10,9 +10,13 @@ interleaved rounds (``_timing.interleave``, median), in one process:
   docs/semantics.md shows; the other ensembles of the cell too);
 - ``batched``: ``Ensemble(models, route="batched")``, the batched kernels and vmap;
 - ``loop route``: ``Ensemble(models, route="loop")``, each member by itself on views of the
-  stacked tensors.
+  stacked tensors;
+- ``loop, stacked``: the loop with its outputs stacked, as an ``Ensemble`` returns them (and in
+  training one backward through every member's graph, as an ensemble's caller runs it): what the
+  loop route adds to it is the loop route's own cost.
 
-The table gives ``auto``, ``batched`` and ``loop route`` as ratios to the loop, the route
+The table gives ``auto``, ``batched``, ``loop route`` and ``loop, stacked`` as ratios to the loop
+(the median over the rounds of each round's ratio), the route
 ``auto`` chose, what its first call's measuring cost (and the whole first call), and the peak of
 the tensor memory one call allocates, for the loop, the batched route and the loop route, from
 ``torch.profiler``'s allocation record (the stacked weights are held before the call and not
@@ -164,6 +168,15 @@ def steps(
         for model in models:
             logits(model(*inputs)).sum().backward()
 
+    # what the Ensemble returns, from a loop: the outputs stacked (and in training one backward
+    # through every member's graph, which the ensemble's caller runs): the loop route's floor
+    def stacked_fwd() -> Any:
+        with torch.no_grad():
+            return torch.stack([logits(model(*inputs)) for model in models])
+
+    def stacked_train() -> None:
+        torch.stack([logits(model(*inputs)) for model in models]).sum().backward()
+
     def ensemble_fwd(ensemble: ms.Ensemble) -> Callable[[], Any]:
         def run() -> Any:
             with torch.no_grad():
@@ -180,6 +193,7 @@ def steps(
     step = ensemble_train if train else ensemble_fwd
     impls = {
         "loop": loop_train if train else loop_fwd,
+        "loop, stacked": stacked_train if train else stacked_fwd,
         "auto": step(auto),
         "batched": step(batched),
         "loop route": step(looped),
@@ -197,7 +211,13 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
     first = time.perf_counter() - start
     # a round of a small cell times several calls (0.05 s), of a large one a single call
     samples = interleave(impls, rounds=rounds, warmup_s=0.0, round_s=0.05)
-    median = {name: statistics.median(values) for name, values in samples.items()}
+    loop_ms = statistics.median(samples["loop"]) * 1e3
+    # the median of each round's ratio: a round runs every way back to back, so a slow spell of
+    # the machine slows them alike
+    ratio = {
+        name: statistics.median(a / b for a, b in zip(values, samples["loop"], strict=True))
+        for name, values in samples.items()
+    }
     chosen = [note for note in auto.plan.notes if note.startswith("forward for")]
     route = chosen[-1].split(": ")[1].split(" ")[0] if chosen else "batched"
     measured = chosen[-1].rsplit("measured in ", 1)[-1].rstrip(")") if chosen else "-"
@@ -205,7 +225,7 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
     # after a call that made what stays (.grad)
     peaks = {}
     for name, fn in impls.items():
-        if name != "auto":
+        if name not in ("auto", "loop, stacked"):
             fn()
             peaks[name] = peak_allocated(fn) / 2**20
     return {
@@ -213,10 +233,8 @@ def cell(model: str, shape: str, batch: int, train: bool, rounds: int) -> dict[s
         "input": shape,
         "batch": batch,
         "mode": "train" if train else "fwd",
-        "loop_ms": median["loop"] * 1e3,
-        "auto": median["auto"] / median["loop"],
-        "batched": median["batched"] / median["loop"],
-        "loop route": median["loop route"] / median["loop"],
+        "loop_ms": loop_ms,
+        **{name: ratio[name] for name in ("auto", "batched", "loop route", "loop, stacked")},
         "route": route,
         "measuring": measured,
         "first_call_s": first,
@@ -241,14 +259,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {args.threads} threads, {MEMBERS} members, median of "
-        f"{args.rounds} interleaved rounds; ratios to the loop (< 1: the ensemble is faster)"
+        f"{args.rounds} interleaved rounds of each round's ratio to the loop (< 1: faster than "
+        "the loop)"
     )
     print(
         "| model | input | batch | mode | loop ms | auto | route chosen | batched | loop route "
-        "| measuring "
+        "| loop, stacked | measuring "
         "| first call | peak MiB: loop, batched, loop route (stacked weights) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for model in args.only:
         for shape in MODELS[model][1]:
@@ -261,7 +280,8 @@ def main() -> None:
                     print(
                         f"| {row['model']} | {row['input']} | {row['batch']} | {row['mode']} | "
                         f"{row['loop_ms']:.1f} | {row['auto']:.2f} | {row['route']} | "
-                        f"{row['batched']:.2f} | {row['loop route']:.2f} | {row['measuring']} | "
+                        f"{row['batched']:.2f} | {row['loop route']:.2f} | "
+                        f"{row['loop, stacked']:.2f} | {row['measuring']} | "
                         f"{row['first_call_s']:.3g} s | {peaks['loop']:.0f}, "
                         f"{peaks['batched']:.0f}, {peaks['loop route']:.0f} "
                         f"({row['weights_mib']:.0f}) |",
