@@ -1,7 +1,7 @@
-"""The loop route (``_loop.py``) without autograd: each member a plain call of this thread's copy
-of the template, whose slots hold views of the stacked tensors. It computes what the members
-compute one by one, follows every change of the stacked tensors, and keeps no state a later call
-or another thread could see."""
+"""The loop route (``_loop.py``): each member a plain call of this thread's copy of the template,
+whose slots hold views of the stacked tensors. It computes what the members compute one by one
+(outputs, gradients, BatchNorm statistics), follows every change of the stacked tensors, and
+keeps no state a later call or another thread could see."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 import modstate as ms
 
 from members import ATOL, cnn, from_threads, loop, mlp, seeded
+from together import run_together
 
 
 def test_without_grad_it_equals_the_members_in_eval_and_in_training():
@@ -36,7 +37,7 @@ def test_it_follows_an_optimizer_step_a_load_and_a_cast():
     x = torch.randn(4, 5)
     with torch.no_grad():
         ensemble(x)  # the copies' views are made
-    ensemble(x).sum().backward()  # with autograd: the ms.call route
+    ensemble(x).sum().backward()  # with autograd: views made afresh
     torch.optim.SGD(ensemble.parameters(), lr=0.5).step()  # in place
     with torch.no_grad():
         torch.testing.assert_close(ensemble(x), loop(ensemble.members(), x), atol=ATOL, rtol=0)
@@ -106,3 +107,42 @@ def test_threads_with_and_without_a_tree_of_their_own_get_exact_results():
             want = ensemble(x)
             assert torch.equal(plain[i], want) and torch.equal(mixed[i], want), i
             assert torch.equal(swapped[i], ms.call(ensemble, other, x)), i
+
+
+def test_with_autograd_it_trains_as_the_members_do_step_after_step():
+    models = seeded(cnn, 3)  # BatchNorm in training mode
+    ensemble = ms.Ensemble([copy.deepcopy(m) for m in models], route="loop")
+    ours = torch.optim.SGD(ensemble.parameters(), lr=0.1, momentum=0.9)
+    theirs = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(3):  # each step writes the stacked weights in place: fresh views next call
+        x = torch.randn(5, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+        ensemble(x).square().sum().backward()
+        ours.step()
+        ours.zero_grad()
+        for model, optimizer in zip(models, theirs, strict=True):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for i, model in enumerate(models):
+        for path, weight in model.named_parameters():
+            stacked = ensemble.stacked.get_parameter(path)
+            torch.testing.assert_close(stacked[i], weight, atol=1e-5, rtol=0, msg=path)
+        for path, buffer in model.named_buffers():
+            torch.testing.assert_close(ensemble.stacked.get_buffer(path)[i], buffer, msg=path)
+
+
+def test_threads_taking_gradients_get_exact_results():
+    ensemble = ms.Ensemble(seeded(mlp, 3), route="loop")
+    weights = list(ensemble.parameters())
+    inputs = [torch.randn(8, 5, generator=torch.Generator().manual_seed(i)) for i in range(200)]
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def work(first: int) -> int:
+        for i in range(first, len(inputs), 8):
+            grads[i] = torch.autograd.grad(ensemble(inputs[i]).square().sum(), weights)
+        return 0
+
+    run_together(work, 8)
+    for i, x in enumerate(inputs):  # each thread's copies, each call's views: the same numbers
+        want = torch.autograd.grad(ensemble(x).square().sum(), weights)
+        assert all(torch.equal(a, b) for a, b in zip(grads[i], want, strict=True)), i

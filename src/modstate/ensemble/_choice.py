@@ -7,11 +7,10 @@ dtypes and devices, the other arguments, train or eval, grad or not), ``route="a
 measures both ways on those inputs and keeps the faster for that signature:
 
 - ``"batched"``: the ensemble's batched forward (see ``Ensemble.plan``);
-- ``"loop"``: ``modstate.call(template, member_i, ...)`` for each member, on views of the
-  stacked tensors, outputs stacked: the members' own layers, no kernel and no vmap. Gradients
-  reach the stacked parameters through the views, BatchNorm updates the stacked statistics in
-  place, as a loop over the member models does. Without autograd each member is a plain call of
-  a per-thread copy of the template holding views of the stacked tensors (``_loop.py``).
+- ``"loop"``: each member by itself, a plain call of a per-thread copy of the template holding
+  views of the stacked tensors (``_loop.py``), outputs stacked: the members' own layers, no
+  kernel and no vmap. Gradients reach the stacked parameters through the views, BatchNorm
+  updates the stacked statistics in place, as a loop over the member models does.
 
 Measuring runs each way once to warm up, once counting memory (``_memory.py``), then three to
 twelve timed times, interleaved, and takes the medians: more rounds while they cost under a

@@ -89,8 +89,8 @@ class Ensemble(nn.Module):
             settings and tensors (checked before the ensemble is built).
         route: how ``forward`` runs: ``"auto"`` (default) measures, at the first call with new
             inputs (shapes, dtypes, other arguments, train or eval, grad or not), the batched
-            forward and a loop over the members (``ms.call`` of each member's views of the
-            stacked tensors), and keeps the batched forward unless the loop measured 5%
+            forward and a loop over the members (each member a plain call of a copy of the
+            model holding views of the stacked tensors), and keeps the batched forward unless the loop measured 5%
             faster or more, or the batched forward's peak of tensor memory exceeds the loop's
             plus the stacked tensors plus 64 MiB, for those inputs (the first 8 signatures;
             later new ones take the route chosen most, unmeasured); ``"batched"`` or
@@ -379,8 +379,8 @@ class Ensemble(nn.Module):
 
     def _loop(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         flat = self._stacked_leaves()
-        if not (torch.is_grad_enabled() or functorch_active() or torch.compiler.is_compiling()):
-            # no autograd: plain calls of this thread's member copies (see _loop.py)
+        if not (functorch_active() or torch.compiler.is_compiling()):
+            # eager: plain calls of this thread's member copies (see _loop.py)
             return self._member_copies.mine()(flat, self._in_dims, args, kwargs)
         trees = member_trees(self._layout, flat, self.count)
         return loop_forward(self._template, trees, self._in_dims, args, kwargs)

@@ -1,21 +1,23 @@
 """The loop route: each member run by itself, on views of the stacked tensors, outputs stacked.
 
-With autograd recording, each member runs as ``modstate.call(template, member_tree, ...)``: its
-tree holds ``unbind`` views of the stacked tensors, made afresh at every call, so that the
-gradients reach the stacked parameters through the views (a view made once would be refused by
-autograd after the optimizer's in-place step: ``unbind``'s views do not survive a write to their
-base) and a BatchNorm in training updates the stacked statistics in place.
+In eager mode each thread keeps one copy of the template per member (`MemberCopies`, sharing
+the template's modules' code and settings) whose slots hold ``unbind`` views of the stacked
+tensors; each member is then a plain call of its copy. Gradients reach the stacked parameters
+through the views, and a BatchNorm in training updates the stacked statistics in place. The
+views are put back into the slots before each call (so a ``forward`` that reassigns a buffer
+changes nothing the next call sees, as with ``modstate.call``). Without autograd they are made
+again only when a stacked tensor changes (another object or storage, another shape: ``.to()``,
+``load_state_dict``, a stateless call on the ensemble); with autograd recording, at every call,
+for autograd refuses an ``unbind`` view once its base was written in place (an optimizer's
+step). The copies are this thread's own: another thread's call, or a stateless call with other
+tensors, never sees them. A stateless call per member (``modstate.call``) would cost more: its
+slot tables, which keep a call's tensors private to its thread, cost about 15% of a small
+transformer's forward, and 3-6% of a small model's training step (a small ResNet, GPT-2's zoo
+configuration and a transformer encoder, at batch 8).
 
-Without autograd (inference, ``torch.no_grad``) nothing needs the views' history, and the
-swap is the larger cost: on a small transformer the slot tables that keep a call's tensors
-private to its thread cost about 15% of the members' own forward. There each thread keeps one
-copy of the template per member (`MemberCopies`, sharing the template's modules' code and
-settings) whose slots hold views of the stacked tensors, made again when a stacked tensor
-changes (another object or storage, another shape: ``.to()``, ``load_state_dict``, a stateless
-call on the ensemble) and put back into the slots before each call (so a ``forward`` that
-reassigns a buffer changes nothing the next call sees, as with ``modstate.call``). Each member is
-then a plain call of its copy. The copies are this thread's own: another thread's call, or a
-stateless call with other tensors, never sees them.
+While compiling or under a ``torch.func`` transform, each member runs as
+``modstate.call(template, member_tree, ...)`` (`loop_forward`): its tree holds ``unbind`` views
+of the stacked tensors made at every call, and no module state is written.
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ class MemberCopies:
             torch.is_inference_mode_enabled(),
             *((t.data_ptr(), t.shape) for t in flat),
         )
-        if made_for != self._made_for:
+        # with autograd recording, views made afresh: autograd refuses an unbind view once its
+        # base was written in place (an optimizer's step), and a fresh one carries the gradient
+        recording = torch.is_grad_enabled() and any(t.requires_grad for t in flat)
+        if recording or made_for != self._made_for:
             made = _views(flat)
             self._views = [[made[id(t)][i] for t in flat] for i in range(len(self.copies))]
-            self._made_for = made_for
+            self._made_for = None if recording else made_for
         for slots, views in zip(self._slots, self._views, strict=True):
             for (table, name), view in zip(slots, views, strict=True):
                 if table[name] is not view:  # a read is cheap, a slot table's write is not
