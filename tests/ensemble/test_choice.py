@@ -141,20 +141,43 @@ def test_after_eight_signatures_new_ones_take_the_usual_route_unmeasured():
     assert len(ensemble.plan.notes) == 8
 
 
-def test_the_loop_is_kept_only_where_it_measured_clearly_faster():
-    import time
-
+def test_the_loop_is_kept_only_where_it_measured_clearly_faster(monkeypatch):
     from modstate.ensemble import _choice
 
+    # each run "takes" the seconds its way gives (a sleep would be as noisy as the machine)
+    monkeypatch.setattr(_choice, "_timed", lambda way, trained: way())
+
     def taking(seconds):
-        return lambda: time.sleep(seconds)
+        return lambda: seconds
 
     # a tie within the margin keeps the batched forward; a clear win keeps the loop
     close = _choice._measure("inputs", taking(0.02), taking(0.0195), [])
     assert close.route == "batched"
+    assert close.batched_s == 0.02 and close.loop_s == 0.0195
     clear = _choice._measure("inputs", taking(0.02), taking(0.012), [])
     assert clear.route == "loop"
     assert _choice.LOOP_MARGIN < 1
+
+
+def test_more_rounds_are_timed_where_the_routes_are_close(monkeypatch):
+    from modstate.ensemble import _choice
+
+    runs = {"batched": 0, "loop": 0}
+
+    def counted(name, seconds):
+        def way():
+            runs[name] += 1
+            return seconds
+
+        return way
+
+    monkeypatch.setattr(_choice, "_timed", lambda way, trained: way())
+    _choice._measure("inputs", counted("batched", 0.2), counted("loop", 0.1), [])
+    # the warm-up, the memory pass, then the timed rounds: 0.1 s against 0.2 is clear
+    assert runs == {"batched": 2 + _choice._ROUNDS, "loop": 2 + _choice._ROUNDS}
+    runs.update(batched=0, loop=0)
+    _choice._measure("inputs", counted("batched", 0.1), counted("loop", 0.097), [])
+    assert runs["batched"] > 2 + _choice._ROUNDS  # close: timed on, up to _CLOSE_S in all
 
 
 def test_a_batched_forward_over_the_memory_bound_gives_way_to_the_loop_whatever_its_time():
@@ -187,4 +210,3 @@ def test_a_wide_ensemble_without_grad_runs_the_loop_where_batched_would_hold_eve
     with torch.no_grad():
         torch.testing.assert_close(pinned(x), out, atol=ATOL, rtol=0)
     assert pinned.plan.notes == []
-

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,18 +44,19 @@ class PeakBytes(TorchDispatchMode):
             if made is None or made.data_ptr() in self._alive:
                 continue
             if inputs is None:  # views and in-place ops return an input's storage
-                inputs = {s.data_ptr() for s in map(_storage, pytree.tree_leaves((args, kwargs))) if s}
+                held = map(_storage, pytree.tree_leaves((args, kwargs)))
+                inputs = {storage.data_ptr() for storage in held if storage is not None}
             if made.data_ptr() not in inputs:
                 self._add(made)
         return out
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key, size = storage.data_ptr(), storage.nbytes()
-        self._alive[key] = (size, weakref.ref(storage, lambda _, key=key: self._free(key)))
+        self._alive[key] = (size, weakref.ref(storage, partial(self._freed, key)))
         self.now += size
         self.peak = max(self.peak, self.now)
 
-    def _free(self, key: int) -> None:
+    def _freed(self, key: int, _: weakref.ref) -> None:
         size, _ = self._alive.pop(key)
         self.now -= size
 
