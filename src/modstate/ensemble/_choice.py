@@ -97,11 +97,7 @@ class Choice:
     def line(self) -> str:
         if self.batched_s is None or self.loop_s is None:
             return f"{self.signature}: {self.route} (pinned)"
-        over = (
-            self.bound_bytes is not None
-            and self.batched_bytes is not None
-            and self.batched_bytes > self.bound_bytes
-        )
+        over = _over_bound(self.batched_bytes, self.bound_bytes)
         memory = (
             ""
             if self.bound_bytes is None
@@ -112,6 +108,12 @@ class Choice:
             f"{self.signature}: {self.route} (batched {self.batched_s * 1e3:.3g} ms, loop "
             f"{self.loop_s * 1e3:.3g} ms{memory}, measured in {self.measuring_s:.3g} s)"
         )
+
+
+def _over_bound(peak: int | None, bound: int | None) -> bool:
+    """Whether the batched forward's peak exceeds the bound (False where either was not
+    counted)."""
+    return peak is not None and bound is not None and peak > bound
 
 
 def _mib(size: int | None) -> str:
@@ -234,10 +236,10 @@ def _measure(
             times[name].append(once(_timed, way))
     batched_s, loop_s = (statistics.median(times[name]) for name in ("batched", "loop"))
     bound = None if peaks["loop"] is None else peaks["loop"] + held_bytes(stacked) + ALLOWANCE
-    over = bound is not None and peaks["batched"] is not None and peaks["batched"] > bound
+    faster = loop_s < LOOP_MARGIN * batched_s
     return Choice(
         words,
-        "loop" if over or loop_s < LOOP_MARGIN * batched_s else "batched",
+        "loop" if faster or _over_bound(peaks["batched"], bound) else "batched",
         batched_s,
         loop_s,
         time.perf_counter() - started,

@@ -90,12 +90,12 @@ class Ensemble(nn.Module):
         route: how ``forward`` runs: ``"auto"`` (default) measures, at the first call with new
             inputs (shapes, dtypes, other arguments, train or eval, grad or not), the batched
             forward and a loop over the members (each member a plain call of a copy of the
-            model holding views of the stacked tensors), and keeps the batched forward unless the loop measured 5%
-            faster or more, or the batched forward's peak of tensor memory exceeds the loop's
-            plus the stacked tensors plus 64 MiB, for those inputs (the first 8 signatures;
-            later new ones take the route chosen most, unmeasured); ``"batched"`` or
-            ``"loop"`` pin one, whatever its memory. The choices, their times and peaks are in
-            ``plan``. Measuring (a warm-up, a memory pass and 3 to 12 timed runs of each route,
+            model holding views of the stacked tensors), and keeps the batched forward unless
+            the loop measured 5% faster or more, or the batched forward's peak of tensor memory
+            exceeds the loop's plus the stacked tensors plus 64 MiB, for those inputs (the
+            first 8 signatures; later new ones take the route chosen most, unmeasured);
+            ``"batched"`` or ``"loop"`` pin one, whatever its memory. The choices, their times
+            and peaks are in ``plan``. Measuring (a warm-up, a memory pass and 3 to 12 timed runs of each route,
             forward and backward, once per input signature) changes no tensor and no random
             state; it is skipped (batched) while compiling, under
             ``torch.func``, with ``compile=True`` or ``fast=False``, in training mode with a

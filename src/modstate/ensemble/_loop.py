@@ -58,7 +58,7 @@ def loop_forward(
 
 
 class MemberCopies:
-    """One thread's copies of the template, one per member, for the loop route without autograd
+    """One thread's copies of the template, one per member, for the loop route in eager mode
     (see the module docstring)."""
 
     def __init__(self, template: nn.Module, layout: Layout, count: int) -> None:
@@ -73,20 +73,21 @@ class MemberCopies:
 
     def __call__(self, flat: list[Tensor], in_dims: Any, args: tuple, kwargs: dict) -> Any:
         """The members' outputs stacked, each member's copy run on its views of ``flat``."""
-        # what the views depend on: the stacked tensors' storage and shape (a held view keeps
-        # the old storage alive, so a new tensor cannot reuse its address), and inference mode,
-        # whose views may not be written outside it
-        made_for = (
-            torch.is_inference_mode_enabled(),
-            *((t.data_ptr(), t.shape) for t in flat),
-        )
         # with autograd recording, views made afresh: autograd refuses an unbind view once its
         # base was written in place (an optimizer's step), and a fresh one carries the gradient
         recording = torch.is_grad_enabled() and any(t.requires_grad for t in flat)
-        if recording or made_for != self._made_for:
+        # else what the views depend on: the stacked tensors' storage and shape (a held view
+        # keeps the old storage alive, so a new tensor cannot reuse its address), and inference
+        # mode, whose views may not be written outside it
+        made_for = (
+            None
+            if recording
+            else (torch.is_inference_mode_enabled(), *((t.data_ptr(), t.shape) for t in flat))
+        )
+        if made_for is None or made_for != self._made_for:
             made = _views(flat)
             self._views = [[made[id(t)][i] for t in flat] for i in range(len(self.copies))]
-            self._made_for = None if recording else made_for
+            self._made_for = made_for
         for slots, views in zip(self._slots, self._views, strict=True):
             for (table, name), view in zip(slots, views, strict=True):
                 if table[name] is not view:  # a read is cheap, a slot table's write is not
